@@ -1,0 +1,53 @@
+# Two commands do all the set-up: `make demo` and `make test` (see README).
+# TORCH_DEVICE=auto|cpu|cuda picks the torch build: auto = CUDA build when nvidia-smi sees a GPU,
+# CPU build otherwise (CI sets cpu).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+TORCH_DEVICE ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+
+.PHONY: venv torch install dev demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+torch: $(PY)
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch: $$($(PY) -c 'import torch; print(torch.__version__)')"; else \
+	  dev=$(TORCH_DEVICE); \
+	  if [ "$$dev" = auto ]; then \
+	    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then dev=cuda; else dev=cpu; fi; \
+	  fi; \
+	  echo "installing torch ($$dev build)"; \
+	  if [ "$$dev" = cpu ]; then \
+	    $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	    $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	  else $(PIP) install -q "torch>=2.4"; fi; \
+	fi
+
+$(VENV)/.installed: pyproject.toml | torch
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | torch
+	$(PIP) install -q -e ".[dev]"
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+dev: $(VENV)/.installed-dev
+
+demo: install
+	$(PY) train.py
+
+test: dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) scripts/bench_engine.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

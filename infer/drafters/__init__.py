@@ -1,0 +1,1 @@
+"""Learned drafter modules and their config.json formats."""

@@ -1,0 +1,1 @@
+"""Target model implementations (Llama family) and Hugging Face checkpoint loading."""

@@ -1,0 +1,1 @@
+"""Proposers, one file per method, registered by name."""

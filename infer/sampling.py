@@ -1,0 +1,141 @@
+"""Sampling parameters and sync-free sampling.
+
+`SamplingParams` mirrors vLLM's names. The functions turn target logits into the distribution the
+rejection sampler compares against (temperature, top-k, top-p applied in that order) and sample
+from it without a host synchronisation: argmax(probs / Exp(1)) is a sample from probs (the
+"exponential race"), so no `torch.multinomial` and no `.item()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from infer.validation import check_float, check_int, config_error, reject_unknown_keys
+
+_WHERE = "SamplingParams"
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "parallel_drafting",
+              "rejection_sample_method", "draft_tensor_parallel_size"}
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (vLLM names). temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    max_tokens: int = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        check_float("temperature", self.temperature, _WHERE, low=0.0)
+        check_float("top_p", self.top_p, _WHERE, low=0.0, high=1.0, low_open=True)
+        check_int("top_k", self.top_k, _WHERE, minimum=-1)
+        check_int("max_tokens", self.max_tokens, _WHERE, minimum=1)
+        check_int("min_tokens", self.min_tokens, _WHERE, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise config_error("min_tokens", self.min_tokens,
+                               f"an integer <= max_tokens ({self.max_tokens})", _WHERE)
+        check_int("seed", self.seed, _WHERE, optional=True)
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids):
+            raise config_error("stop_token_ids", self.stop_token_ids,
+                               "a list of non-negative token ids", _WHERE)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise config_error("ignore_eos", self.ignore_eos, "true or false", _WHERE)
+        if self.n != 1:
+            raise config_error("n", self.n, "1 (one output per prompt is supported)", _WHERE)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a mapping, rejecting unknown keys by name (speculative keys get a hint)."""
+        obj = dict(obj or {})
+        hints = {k: "it belongs in speculative_config, not in the sampling parameters"
+                 for k in _SPEC_KEYS}
+        reject_unknown_keys(obj, [f.name for f in fields(cls)], _WHERE, hints)
+        return cls(**obj)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _per_row(value: float | int | torch.Tensor | None, like: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor | None:
+    """Scalar or ``[batch]`` -> a tensor broadcastable against ``like`` ``[batch, ..., vocab]``."""
+    if value is None:
+        return None
+    t = torch.as_tensor(value, dtype=dtype, device=like.device)
+    if t.ndim == 0:
+        return t
+    return t.view(-1, *([1] * (like.ndim - 1)))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k=None, top_p=None) -> torch.Tensor:
+    """Mask logits outside top-k / the top-p nucleus with -inf.
+
+    logits: ``[batch, ..., vocab]``; top_k: int or ``[batch]`` (<= 0 disables a row);
+    top_p: float or ``[batch]`` (1.0 disables). One sort serves both filters.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [..., vocab]
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = _per_row(top_k, logits, torch.long)
+        k = torch.where(k <= 0, torch.full_like(k, vocab), k.clamp(max=vocab))
+        rank = torch.arange(vocab, device=logits.device)
+        keep &= rank < k
+    if top_p is not None:
+        p = _per_row(top_p, logits, logits.dtype if logits.is_floating_point() else torch.float32)
+        probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        # mass strictly before each token; keep while it is below p (the top token always stays)
+        before = probs.cumsum(dim=-1) - probs
+        keep &= before < p
+    filtered = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, filtered)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature, top_k=None, top_p=None) -> torch.Tensor:
+    """Target distribution after temperature, top-k, top-p: ``[batch, ..., vocab]`` in fp32.
+
+    temperature: float or ``[batch]``; rows with temperature 0 become one-hot at the argmax, so
+    every rejection method reduces exactly to greedy verification on them.
+    """
+    logits = logits.float()
+    if not isinstance(temperature, torch.Tensor):  # a Python scalar: decide on the host
+        if temperature <= 0.0:
+            return _one_hot_argmax(logits)
+        return apply_top_k_top_p(logits / temperature, top_k, top_p).softmax(dim=-1)
+    temp = _per_row(temperature, logits, torch.float32)  # [batch, 1, ..., 1]
+    greedy = temp <= 0.0
+    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)
+    probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+    return torch.where(greedy, _one_hot_argmax(logits), probs)
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample token ids ``[...]`` from ``probs`` ``[..., vocab]`` with no host sync."""
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)
+    return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,1 @@
+"""draftsmith training: data, features, drafter objectives, trainer, export."""

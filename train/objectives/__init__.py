@@ -1,0 +1,1 @@
+"""Training objectives, one file per drafter method."""
