@@ -8,10 +8,12 @@ from it without a host synchronisation: argmax(probs / Exp(1)) is a sample from 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from infer.validation import check_float, check_int, config_error, reject_unknown_keys
 
@@ -36,6 +38,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature, _WHERE, low=0.0)
+        if not math.isfinite(self.temperature):  # logits / inf is 0 (or nan on masked logits)
+            raise config_error("temperature", self.temperature, "a finite number >= 0", _WHERE)
         check_float("top_p", self.top_p, _WHERE, low=0.0, high=1.0, low_open=True)
         check_int("top_k", self.top_k, _WHERE, minimum=-1)
         check_int("max_tokens", self.max_tokens, _WHERE, minimum=1)
@@ -52,6 +56,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise config_error("ignore_eos", self.ignore_eos, "true or false", _WHERE)
+        check_int("n", self.n, _WHERE)
         if self.n != 1:
             raise config_error("n", self.n, "1 (one output per prompt is supported)", _WHERE)
 
@@ -64,8 +69,10 @@ class SamplingParams:
         return self.top_k > 0
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, obj: dict[str, Any] | DictConfig | None) -> "SamplingParams":
         """Build from a mapping, rejecting unknown keys by name (speculative keys get a hint)."""
+        if isinstance(obj, DictConfig):  # dict() would keep ListConfig values
+            obj = OmegaConf.to_container(obj, resolve=True)
         obj = dict(obj or {})
         hints = {k: "it belongs in speculative_config, not in the sampling parameters"
                  for k in _SPEC_KEYS}
@@ -106,9 +113,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k=None, top_p=None) -> torch.Ten
     if top_p is not None:
         p = _per_row(top_p, logits, logits.dtype if logits.is_floating_point() else torch.float32)
         probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-        # mass strictly before each token; keep while it is below p (the top token always stays)
+        # mass strictly before each token; keep while it is below p (the top token always stays).
+        # p >= 1 keeps everything exactly: fp32 cumsums reach 1.0 early and would cut the tail.
         before = probs.cumsum(dim=-1) - probs
-        keep &= before < p
+        keep &= (before < p) | (p >= 1.0)
     filtered = sorted_logits.masked_fill(~keep, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, filtered)
 

@@ -1,0 +1,297 @@
+"""`speculative_config`: vLLM's schema, validated once, so every later stage can trust it.
+
+draftsmith speaks the same `speculative_config` as vLLM, so a drafter trained here runs unchanged
+in vLLM and the other way round. This module only validates and normalises the mapping; which
+methods the engine can actually serve is decided by the proposer registry (`infer/proposers/`).
+
+Normalisation happens in `__post_init__`, so after construction every config is *resolved*:
+`method` is set (inferred from the draft's config.json or name when omitted),
+`num_speculative_tokens` is set (from the draft's config.json when it gives one), and the
+prompt-lookup pair is filled in. Resolved configs re-validate to themselves, which is what makes
+`parse(cfg.to_dict()) == cfg` hold.
+
+Inputs (`SpeculativeConfig.parse`): None (no speculation), a dict, a JSON string (the CLI form),
+an OmegaConf DictConfig (the YAML form) or a SpeculativeConfig. Reading a draft's config.json is
+plain JSON from a local directory: no remote code, no network; a hub id uses the name rules only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from infer.sampling import SamplingParams
+from infer.validation import check_float, check_int, config_error, reject_unknown_keys
+
+_WHERE = "speculative_config"
+
+# vLLM's method names. The schema accepts all of them; the engine decides which it serves.
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mlp_speculator", "mtp", "medusa")
+REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")
+
+_NEEDS_MODEL = ("draft_model", "eagle", "eagle3", "mlp_speculator", "medusa")
+# These draft from the context alone: a `model` would be silently ignored, so it is an error.
+_NO_MODEL = ("ngram", "suffix")
+# vLLM allows parallel drafting for the EAGLE family (MTP is one) and draft models (PARD).
+_PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp")
+_PROMPT_LOOKUP_DEFAULT = 5
+
+# Keys people copy into speculative_config from the request; point them at SamplingParams.
+_SAMPLING_KEYS = {f.name for f in fields(SamplingParams)} | {
+    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logprobs",
+    "best_of"}
+_KEY_HINTS = {k: "it is a sampling parameter (set it in SamplingParams), not a speculative_config "
+                 "field" for k in _SAMPLING_KEYS}
+_KEY_HINTS["tensor_parallel_size"] = ("use 'draft_tensor_parallel_size' (draftsmith's engine "
+                                      "serves one device, so it can only be 1)")
+
+
+def _check_choice(key: str, value: Any, where: str, *, choices: tuple[str, ...],
+                  optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value not in choices:
+        raise config_error(key, value, f"one of {', '.join(choices)}", where)
+
+
+def _check_str(key: str, value: Any, where: str, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        allowed = "a non-empty string" + (" or None" if optional else "")
+        raise config_error(key, value, allowed, where)
+
+
+def _check_bool(key: str, value: Any, where: str) -> None:
+    if not isinstance(value, bool):
+        raise config_error(key, value, "true or false", where)
+
+
+def _check_num_tokens(key: str, value: Any, where: str) -> None:
+    check_int(key, value, where, optional=True)
+    if value is not None and value <= 0:  # vLLM's wording, which scripts grep for
+        raise config_error(key, value, "an integer > 0 (Expected num_speculative_tokens to be "
+                                       "greater than zero)", where)
+
+
+# Type and range of each field on its own; rules between fields are the methods below.
+_FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
+    "method": (_check_choice, {"choices": METHODS, "optional": True}),
+    "model": (_check_str, {"optional": True}),
+    "revision": (_check_str, {"optional": True}),
+    "num_speculative_tokens": (_check_num_tokens, {}),
+    "draft_tensor_parallel_size": (check_int, {"minimum": 1, "optional": True}),
+    "max_model_len": (check_int, {"minimum": 1, "optional": True}),
+    "parallel_drafting": (_check_bool, {}),
+    "rejection_sample_method": (_check_choice, {"choices": REJECTION_SAMPLE_METHODS}),
+    "synthetic_acceptance_rate": (check_float, {"low": 0.0, "high": 1.0, "optional": True}),
+    "prompt_lookup_max": (check_int, {"minimum": 1, "optional": True}),
+    "prompt_lookup_min": (check_int, {"minimum": 1, "optional": True}),
+    "suffix_decoding_max_tree_depth": (check_int, {"minimum": 1}),
+    "suffix_decoding_max_cached_requests": (check_int, {"minimum": 0}),  # 0: no global cache
+    "suffix_decoding_max_spec_factor": (check_float, {"low": 0.0, "low_open": True}),
+    "suffix_decoding_min_token_prob": (check_float, {"low": 0.0, "high": 1.0}),
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`, resolved and validated (see the module docstring).
+
+    Frozen: change a field with `dataclasses.replace`, which validates again.
+    """
+
+    method: str | None = None  # inferred when omitted
+    model: str | None = None  # draft checkpoint: local directory or hub id
+    num_speculative_tokens: int | None = None  # k; defaulted from the draft's config.json
+    draft_tensor_parallel_size: int | None = None  # 1 only: draftsmith's engine is TP=1
+    max_model_len: int | None = None  # draft context; <= target's (`check_against_target`)
+    revision: str | None = None  # draft checkpoint revision on the hub
+    parallel_drafting: bool = False  # PARD = draft_model + parallel_drafting
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_rate: float | None = None  # required with, and only with, synthetic
+    prompt_lookup_max: int | None = None  # ngram; 5 / 5 when both omitted, else mirrored
+    prompt_lookup_min: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        for key, (check, kwargs) in _FIELD_RULES.items():
+            check(key, getattr(self, key), _WHERE, **kwargs)
+            if check is check_float and getattr(self, key) is not None:
+                self._set(key, float(getattr(self, key)))
+        self._resolve_prompt_lookup()
+        path, draft = None, {}
+        if self.model is not None and (self.method is None or self.num_speculative_tokens is None):
+            path = draft_config_path(self.model)
+            draft = read_draft_config(path) if path else {}
+        if self.method is None:
+            self._set("method", _infer_method(self.model, draft, path))
+        self._check_model()
+        if self.num_speculative_tokens is None:
+            self._set("num_speculative_tokens", self._num_tokens_from_draft(draft, path))
+        self._check_parallel_drafting()
+        self._check_rejection()
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise config_error("draft_tensor_parallel_size", self.draft_tensor_parallel_size,
+                               "1 or None (draftsmith's engine runs target and drafter on one "
+                               "device; vLLM also accepts the target's tensor_parallel_size)",
+                               _WHERE)
+
+    def _set(self, key: str, value: Any) -> None:
+        object.__setattr__(self, key, value)  # frozen; only __post_init__ resolves fields
+
+    def _resolve_prompt_lookup(self) -> None:
+        """vLLM's rule: both omitted -> 5 / 5; one given -> the other mirrors it."""
+        hi, lo = self.prompt_lookup_max, self.prompt_lookup_min
+        if hi is None and lo is None:
+            hi = lo = _PROMPT_LOOKUP_DEFAULT
+        hi, lo = (lo if hi is None else hi), (hi if lo is None else lo)
+        if lo > hi:
+            raise config_error("prompt_lookup_min", lo,
+                               f"an integer <= prompt_lookup_max ({hi})", _WHERE)
+        self._set("prompt_lookup_max", hi)
+        self._set("prompt_lookup_min", lo)
+
+    def _check_model(self) -> None:
+        if self.method in _NEEDS_MODEL and self.model is None:
+            raise config_error("model", None, f"a draft model path or hub id; method "
+                                              f"{self.method!r} needs one", _WHERE)
+        if self.method in _NO_MODEL and self.model is not None:
+            raise config_error("model", self.model, f"None; method {self.method!r} drafts from "
+                                                    "the context and loads no model", _WHERE)
+
+    def _num_tokens_from_draft(self, draft: dict[str, Any], path: Path | None) -> int:
+        """k from the drafter's own config (REFERENCE 4, 5); otherwise the user must give it."""
+        spec = draft.get("speculators_config")
+        if isinstance(spec, dict):
+            proposals = spec.get("proposal_methods")
+            first = proposals[0] if isinstance(proposals, list) and proposals else {}
+            name = "speculators_config.proposal_methods[0].speculative_tokens"
+            value = first.get("speculative_tokens") if isinstance(first, dict) else None
+        elif draft.get("model_type") == "mlp_speculator":
+            name, value = "n_predict", draft.get("n_predict")
+        else:
+            value = None
+        if value is None:
+            raise config_error("num_speculative_tokens", None, "an integer > 0; required for "
+                               f"method {self.method!r} unless the draft's config.json gives it "
+                               "(mlp_speculator n_predict, speculators speculative_tokens)", _WHERE)
+        check_int(name, value, f"{_WHERE}: draft config {path}", minimum=1)
+        return value
+
+    def _check_parallel_drafting(self) -> None:
+        if self.parallel_drafting and self.method not in _PARALLEL_DRAFTING:
+            raise config_error("parallel_drafting", True,
+                               f"false for method {self.method!r}; parallel drafting needs one of "
+                               f"{', '.join(_PARALLEL_DRAFTING)} (PARD is draft_model + "
+                               "parallel_drafting)", _WHERE)
+
+    def _check_rejection(self) -> None:
+        synthetic = self.rejection_sample_method == "synthetic"
+        rate = self.synthetic_acceptance_rate
+        if synthetic and rate is None:
+            raise config_error("synthetic_acceptance_rate", None, "a number in [0, 1]; required "
+                               "when rejection_sample_method is 'synthetic'", _WHERE)
+        if not synthetic and rate is not None:
+            raise config_error("synthetic_acceptance_rate", rate, "None unless "
+                               "rejection_sample_method is 'synthetic' (it is "
+                               f"{self.rejection_sample_method!r})", _WHERE)
+
+    # ---- construction and export ---------------------------------------------------------
+
+    @classmethod
+    def parse(cls, obj: Any) -> SpeculativeConfig | None:
+        """Any accepted input form -> a resolved config, or None when speculation is off."""
+        if obj is None or isinstance(obj, SpeculativeConfig):
+            return obj
+        if isinstance(obj, str):
+            try:
+                decoded = json.loads(obj)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{_WHERE}: not valid JSON ({e}): {obj[:200]!r}") from None
+            if isinstance(decoded, str):
+                raise ValueError(f"{_WHERE}: the JSON string holds a string {decoded!r}; "
+                                 "expected a JSON object")
+            return cls.parse(decoded)
+        if isinstance(obj, DictConfig):
+            obj = OmegaConf.to_container(obj, resolve=True)
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"{_WHERE}: invalid value {obj!r} of type {type(obj).__name__}; "
+                             "expected a mapping, a JSON object string, a DictConfig or None")
+        reject_unknown_keys(obj, [f.name for f in fields(cls)], _WHERE, _KEY_HINTS)
+        return cls(**obj)
+
+    def to_dict(self, full: bool = False) -> dict[str, Any]:
+        """Fields that differ from their defaults (what a user writes, portable to vLLM), or
+        every field with `full=True`. Either way `parse(cfg.to_dict()) == cfg`."""
+        resolved_defaults = {"prompt_lookup_max": _PROMPT_LOOKUP_DEFAULT,
+                             "prompt_lookup_min": _PROMPT_LOOKUP_DEFAULT}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if full or getattr(self, f.name) != resolved_defaults.get(f.name, f.default)}
+        if "prompt_lookup_max" in out or "prompt_lookup_min" in out:  # one alone would mirror
+            out["prompt_lookup_max"] = self.prompt_lookup_max
+            out["prompt_lookup_min"] = self.prompt_lookup_min
+        return out
+
+    def to_json(self, full: bool = False) -> str:
+        return json.dumps(self.to_dict(full=full))
+
+    def check_against_target(self, target_max_model_len: int) -> int:
+        """The draft's context length, once the engine knows the target's (the draft's must
+        not exceed it; unset means the target's)."""
+        if self.max_model_len is None:
+            return target_max_model_len
+        if self.max_model_len > target_max_model_len:
+            raise config_error("max_model_len", self.max_model_len, "an integer <= the target's "
+                               f"max_model_len ({target_max_model_len})", _WHERE)
+        return self.max_model_len
+
+
+# ---- the draft checkpoint's config.json -----------------------------------------------------
+
+def draft_config_path(model: str) -> Path | None:
+    """The config.json of a local draft (a directory or the file itself); None for a hub id."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        return path if path.is_file() else None
+    return path if path.is_file() and path.suffix == ".json" else None
+
+
+def read_draft_config(path: Path | str) -> dict[str, Any]:
+    """Plain JSON, no remote code: all the schema needs to infer the method and k."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_WHERE}: draft config {path} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{_WHERE}: draft config {path} holds {type(obj).__name__}; "
+                         "expected a JSON object")
+    return obj
+
+
+def _infer_method(model: str | None, draft: dict[str, Any], path: Path | None) -> str:
+    """vLLM's order: speculators type, then draft model_type, then the name, then draft_model."""
+    if model is None:
+        raise config_error("method", None, f"one of {', '.join(METHODS)}, or a 'model' to infer "
+                                           "it from (both 'method' and 'model' are missing)",
+                           _WHERE)
+    kind = draft.get("speculators_model_type")
+    if kind is not None:
+        _check_choice("speculators_model_type", kind, f"{_WHERE}: draft config {path}",
+                      choices=METHODS)
+        return kind
+    if draft.get("model_type") in ("mlp_speculator", "medusa"):
+        return draft["model_type"]
+    path_obj = Path(model)  # the checkpoint's own name, not the directories above it
+    name = (path_obj.parent.name if path_obj.suffix == ".json" else path_obj.name).lower()
+    if "eagle3" in name:
+        return "eagle3"
+    return "eagle" if "eagle" in name else "draft_model"
