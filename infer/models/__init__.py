@@ -1,1 +1,29 @@
 """Target model implementations (Llama family) and Hugging Face checkpoint loading."""
+
+from infer.models.llama import (
+    Llama,
+    ModelConfig,
+    ModelOutput,
+    RopeConfig,
+    packed_causal_mask,
+    position_mask,
+)
+from infer.models.loader import (
+    SUPPORTED_ARCHITECTURES,
+    config_from_hf,
+    load_config,
+    load_model,
+)
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "Llama",
+    "ModelConfig",
+    "ModelOutput",
+    "RopeConfig",
+    "config_from_hf",
+    "load_config",
+    "load_model",
+    "packed_causal_mask",
+    "position_mask",
+]

@@ -1,0 +1,147 @@
+"""Static preallocated KV cache with per-row lengths (gpt-fast / nanochat style).
+
+The cache owns two tensors ``k`` and ``v`` of shape
+``[num_layers, max_batch, num_kv_heads, max_len + 1, head_dim]`` and a length per row,
+``lens [max_batch]`` (int64): row ``r`` holds ``lens[r]`` valid positions ``0 .. lens[r]-1``.
+A sequence lives in one row ("slot") for its whole life; keys are stored at the index equal to
+their position, so a query at position ``p`` may attend exactly the keys ``0 .. p``.
+
+Who advances ``lens``: the model's cached forward does, by ``num_tokens`` per row, after all
+layers ran (see :meth:`KVCache.advance`). Rollback of rejected draft tokens is only
+``cache.truncate(slots, new_lens)`` (``lens[slots] = new_lens``): stale keys beyond a row's length
+are masked out and overwritten by the next write, so no data moves.
+
+Padding: in a ragged batch (``num_tokens[b] < T``) the padding tokens of row ``b`` are written to
+the extra scratch column ``max_len`` (never visible to a valid query, whose position is always
+``< max_len``), so they can never clobber real keys and never index out of bounds.
+
+Host syncs: :meth:`KVCache.plan` reads ``max(lens + num_tokens)`` on the host once per forward to
+slice attention to the used length and to check for overflow, unless the caller passes a fixed
+``kv_len`` (e.g. ``cache.capacity``), which keeps a decode step free of syncs and graph-capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class CacheStep:
+    """Where one cached forward writes and what it reads; shared by all layers of that forward."""
+
+    cache: "KVCache"
+    slots: Tensor | None  # [B] cache rows of the batch; None = rows 0 .. B-1 (no gather needed)
+    positions: Tensor  # [B, T] absolute position of every new token (padding included)
+    write_pos: Tensor  # [B, T] cache index each new key goes to (padding -> scratch column)
+    num_tokens: Tensor  # [B] valid new tokens per row
+    kv_len: int  # keys attended: cache indices 0 .. kv_len-1
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write this step's keys/values of ``layer`` and return every key/value it attends to.
+
+        ``k, v``: ``[B, kv_heads, T, head_dim]``; returns two ``[B, kv_heads, kv_len, head_dim]``.
+        """
+        self.cache.write(layer, self.slots, self.write_pos, k, v)
+        return self.cache.read(layer, self.slots, self.kv_len, k.shape[0])
+
+
+class KVCache:
+    """Preallocated keys/values for ``max_batch`` sequences of up to ``max_len`` tokens each."""
+
+    def __init__(self, num_layers: int, max_batch: int, num_kv_heads: int, max_len: int,
+                 head_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        if min(num_layers, max_batch, num_kv_heads, max_len, head_dim) < 1:
+            raise ValueError("KVCache: every dimension must be >= 1, got "
+                             f"layers={num_layers} batch={max_batch} kv_heads={num_kv_heads} "
+                             f"max_len={max_len} head_dim={head_dim}")
+        self.max_len = max_len
+        # one extra column (index max_len) takes the writes of padding tokens
+        shape = (num_layers, max_batch, num_kv_heads, max_len + 1, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, kv_heads, S+1, hd]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, kv_heads, S+1, hd]
+        self.lens = torch.zeros(max_batch, dtype=torch.long, device=device)  # [rows]
+
+    @classmethod
+    def for_model(cls, config, max_batch: int, max_len: int, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> "KVCache":
+        """A cache shaped for a model config (``num_layers``, ``num_kv_heads``, ``head_dim``)."""
+        return cls(config.num_layers, max_batch, config.num_kv_heads, max_len, config.head_dim,
+                   dtype=dtype or torch.float32, device=device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Cache columns including the scratch one: the fixed ``kv_len`` for sync-free steps."""
+        return self.max_len + 1
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def plan(self, batch: int, seq: int, slots: Tensor | None = None,
+             num_tokens: Tensor | None = None, kv_len: int | None = None) -> CacheStep:
+        """Positions and write indices for ``seq`` new tokens in each of ``batch`` rows.
+
+        Row ``b``'s new tokens get positions ``lens[b] .. lens[b] + seq - 1``; tokens at or beyond
+        ``num_tokens[b]`` are padding. ``kv_len=None`` costs one host read (see module doc).
+        """
+        device = self.lens.device
+        start = self.lens[:batch] if slots is None else self.lens[slots]  # [B]
+        if num_tokens is None:
+            num_tokens = torch.full((batch,), seq, dtype=torch.long, device=device)
+        offsets = torch.arange(seq, device=device)  # [T]
+        positions = start[:, None] + offsets  # [B, T]
+        valid = offsets[None, :] < num_tokens[:, None]  # [B, T]
+        write_pos = torch.where(valid, positions, torch.full_like(positions, self.max_len))
+        if kv_len is None:
+            kv_len = int((start + num_tokens).max())  # host sync, once per forward
+            if kv_len > self.max_len:
+                raise ValueError(f"KVCache overflow: a row needs {kv_len} positions but the cache "
+                                 f"holds max_len={self.max_len}")
+            kv_len = max(kv_len, 1)
+        return CacheStep(self, slots, positions, write_pos, num_tokens, kv_len)
+
+    def advance(self, step: CacheStep) -> None:
+        """``lens[row] += num_tokens`` for the rows of ``step`` (in place, no sync)."""
+        if step.slots is None:
+            self.lens[: step.num_tokens.shape[0]] += step.num_tokens
+        else:
+            self.lens.index_add_(0, step.slots, step.num_tokens)
+
+    def truncate(self, slots: Tensor, new_lens: Tensor | int) -> None:
+        """Rollback: row ``slots[i]`` keeps its first ``new_lens[i]`` positions. No data moves."""
+        self.lens[slots] = torch.as_tensor(new_lens, dtype=torch.long, device=self.lens.device)
+
+    def reset(self, slots: Tensor | None = None) -> None:
+        """Free rows (all when ``slots`` is None) for new sequences."""
+        if slots is None:
+            self.lens.zero_()
+        else:
+            self.lens[slots] = 0
+
+    # ---- storage -------------------------------------------------------------------------------
+
+    def write(self, layer: int, slots: Tensor | None, write_pos: Tensor, k: Tensor,
+              v: Tensor) -> None:
+        """Scatter new ``k, v [B, kv_heads, T, hd]`` to cache indices ``write_pos [B, T]``."""
+        batch = k.shape[0]
+        rows = torch.arange(batch, device=k.device) if slots is None else slots  # [B]
+        # advanced indices [B, 1] and [B, T] around a slice -> indexed shape [B, T, kv_heads, hd]
+        self.k[layer][rows[:, None], :, write_pos] = k.transpose(1, 2)
+        self.v[layer][rows[:, None], :, write_pos] = v.transpose(1, 2)
+
+    def read(self, layer: int, slots: Tensor | None, kv_len: int,
+             batch: int) -> tuple[Tensor, Tensor]:
+        """Keys/values ``[B, kv_heads, kv_len, hd]`` of the batch's rows.
+
+        ``slots=None`` is a view of rows ``0 .. B-1``; explicit slots gather (a copy).
+        """
+        if slots is None:
+            return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+        return (self.k[layer, :, :, :kv_len].index_select(0, slots),
+                self.v[layer, :, :, :kv_len].index_select(0, slots))

@@ -1,0 +1,393 @@
+"""Native Llama-family decoder: Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3 in one class.
+
+The families differ only in small options (``ModelConfig.qkv_bias``, ``qk_norm``, sliding
+window, RoPE scaling, tied embeddings), so there is one model with flags rather than one class per
+family; :mod:`infer.models.loader` maps a Hugging Face config to these flags. Module names follow
+Hugging Face's minus the ``model.`` prefix (``layers.3.self_attn.q_proj.weight``), which keeps the
+checkpoint mapping trivial and matches the names EAGLE-style drafters use for their own layers.
+
+Two forwards share the layer stack:
+
+- :meth:`Llama.forward` decodes with a static :class:`~infer.kv_cache.KVCache` (ragged rows,
+  per-row lengths, the cache advances itself; see that module for rollback and host syncs);
+- :meth:`Llama.forward_train` runs full sequences without a cache (training, feature extraction),
+  optionally with a block-diagonal mask over packed documents.
+
+Hidden-state index semantics (``aux_layer_ids``, the EAGLE-3 / vLLM convention): id ``k`` is the
+residual stream after ``k`` decoder layers, ``0`` = the token embeddings and ``N = num_layers`` =
+the output of the last layer *before* the final norm. Hugging Face's ``output_hidden_states``
+agrees for ``k < N``, but its last entry (``hidden_states[N]``) is *after* the final norm: that is
+``ModelOutput.hidden`` here, the last hidden state EAGLE-1 uses as its feature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from infer.kv_cache import CacheStep, KVCache
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; unused fields keep their defaults for simpler rope types."""
+
+    theta: float = 10000.0
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0  # linear, dynamic, llama3, yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn (None: the model's max)
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn cos/sin scale; None: derived from factor/mscale
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dims
+
+    def __post_init__(self):
+        if self.type not in ROPE_TYPES:
+            raise ValueError(f"invalid value for 'rope_type': {self.type!r}; expected one of "
+                             f"{', '.join(ROPE_TYPES)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model needs; built from a Hugging Face config by the loader."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama with attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 with attention_bias)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # key k visible from query q iff q - window < k <= q
+    sliding_layers: tuple[int, ...] = ()  # layers that use sliding_window
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+
+
+@dataclass
+class ModelOutput:
+    """What a forward returns; see the module doc for the hidden-state index semantics."""
+
+    logits: Tensor  # [B, T, V], or [B, K, V] when logits_at [B, K] was given
+    hidden: Tensor  # [B, T, H] last hidden state after the final norm (= HF hidden_states[-1])
+    aux: tuple[Tensor, ...] = ()  # one [B, T, H] per aux_layer_ids entry, in the order asked
+
+
+# ---- rotary embeddings -------------------------------------------------------------------------
+
+def rope_frequencies(cfg: ModelConfig, device=None) -> tuple[Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin scale (1 except for yarn).
+
+    "dynamic" (NTK) rescales only beyond ``max_position_embeddings`` and then depends on the
+    current length, which a static cache cannot follow; here it is exact up to
+    ``max_position_embeddings`` (plain RoPE there, as in Hugging Face) and not rescaled beyond.
+    """
+    r, dim = cfg.rope, cfg.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (r.theta ** exponent)  # [dim / 2]
+    if r.type == "linear":
+        return inv_freq / r.factor, 1.0
+    if r.type == "llama3":
+        return _llama3_frequencies(inv_freq, r, cfg.max_position_embeddings), 1.0
+    if r.type == "yarn":
+        return _yarn_frequencies(r, dim, cfg.max_position_embeddings, device)
+    return inv_freq, 1.0
+
+
+def _llama3_frequencies(inv_freq: Tensor, r: RopeConfig, max_pos: int) -> Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend in between."""
+    old_len = r.original_max_position_embeddings or max_pos
+    low_wavelen, high_wavelen = old_len / r.low_freq_factor, old_len / r.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_frequencies(r: RopeConfig, dim: int, max_pos: int, device) -> tuple[Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale cos/sin."""
+    old_len = r.original_max_position_embeddings or max_pos
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = r.attention_factor
+    if attn is None:
+        attn = (mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
+                if r.mscale and r.mscale_all_dim else mscale(r.factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(r.theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low))
+    extrapolate = 1 - ramp.clamp(0, 1)  # [dim / 2]: 1 = keep the original frequency
+    pos_freqs = r.theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    inv_freq = (1 / (r.factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
+    return inv_freq, float(attn)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[B, 1, T, head_dim]`` for ``positions [B, T]``, computed in fp32 then cast."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, hd / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, heads, T, hd]`` (half-split layout, as in Hugging Face checkpoints)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# ---- attention masks ---------------------------------------------------------------------------
+
+def position_mask(q_pos: Tensor, k_pos: Tensor, window: int | None = None) -> Tensor:
+    """Causal (optionally sliding-window) mask ``[B, 1, T, S]``; True = may attend.
+
+    ``q_pos [B, T]``, ``k_pos [S]``: key ``k`` is visible from query ``q`` iff ``k <= q`` (and
+    ``k > q - window``).
+    """
+    q = q_pos[:, None, :, None]  # [B, 1, T, 1]
+    mask = k_pos <= q  # [B, 1, T, S]
+    if window is not None:
+        mask = mask & (k_pos > q - window)
+    return mask
+
+
+def packed_causal_mask(doc_ids: Tensor) -> Tensor:
+    """Block-diagonal causal mask ``[B, 1, T, T]`` for packed documents ``doc_ids [B, T]``."""
+    t = doc_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()  # [T, T]
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [B, T, T]
+    return (same_doc & causal)[:, None]
+
+
+# ---- modules -----------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32, cast back before the weight (Hugging Face's order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE; writes to / reads from the KV cache when given one."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        h, q_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, h, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                step: CacheStep | None = None) -> Tensor:
+        """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` None means plain causal over ``x`` alone."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, heads, hd]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # [B, T, kv_heads, hd]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step is not None:
+            k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:  # expand kv heads to query heads (a copy; portable across SDPA backends)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                step: CacheStep | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """The Llama-family causal LM (see the module doc for the supported variants)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.rope_scale = 1.0
+        self.init_buffers()
+        self.tie_weights()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the RoPE frequencies on the embedding's device (after a meta build)."""
+        device = self.embed_tokens.weight.device
+        self.inv_freq, self.rope_scale = rope_frequencies(self.config, device)  # [hd / 2]
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the checkpoint says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, cache: KVCache, slots: Tensor | None = None, *,
+                num_tokens: Tensor | None = None, aux_layer_ids=None, kv_len: int | None = None,
+                logits_at: Tensor | None = None) -> ModelOutput:
+        """Cached forward: append ``input_ids [B, T]`` to cache rows ``slots [B]`` and decode them.
+
+        Row ``b``'s tokens take positions ``lens[b] .. lens[b] + T - 1``; only the first
+        ``num_tokens[b]`` are real (default: all ``T``), the rest are padding whose outputs are
+        garbage. Query ``t`` of row ``b`` attends cache positions ``0 .. lens[b] + t``. ``slots``
+        None = rows ``0 .. B-1`` (no gather). Afterwards ``lens[slots] += num_tokens`` has been
+        applied; to roll back, ``cache.truncate(slots, new_lens)``. ``kv_len`` None reads
+        ``max(lens + num_tokens)`` on the host once; pass ``cache.capacity`` for a sync-free,
+        fixed-shape step. ``logits_at [B, K]`` computes logits only at those indices of ``T``.
+        """
+        b, t = input_ids.shape
+        step = cache.plan(b, t, slots, num_tokens, kv_len)
+        key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
+        masks = self._layer_masks(lambda w: position_mask(step.positions, key_pos, w))
+        out = self._run(input_ids, step.positions, masks, step, aux_layer_ids, logits_at)
+        cache.advance(step)
+        return out
+
+    def forward_train(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                      attention_mask: Tensor | None = None, aux_layer_ids=None,
+                      logits_at: Tensor | None = None) -> ModelOutput:
+        """Full-sequence forward without a cache (training, feature extraction).
+
+        ``attention_mask``: bool ``[B, T, T]`` or ``[B, 1, T, T]``, True = may attend, used as
+        given (it must include causality, e.g. :func:`packed_causal_mask` for packed documents,
+        with ``position_ids`` restarting per document); every query must see at least one key.
+        None = causal. Sliding-window layers intersect it with the window over sequence indices.
+        """
+        b, t = input_ids.shape
+        idx = torch.arange(t, device=input_ids.device)  # [T]
+        if position_ids is None:
+            position_ids = idx.expand(b, t)
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(f"attention_mask must be bool (True = attend), got "
+                                 f"{attention_mask.dtype}")
+            if attention_mask.dim() == 3:
+                attention_mask = attention_mask[:, None]  # [B, 1, T, T]
+
+        def mask_for(window: int | None) -> Tensor | None:
+            if window is None:
+                return attention_mask
+            win = position_mask(idx[None], idx, window)  # [1, 1, T, T]
+            return win if attention_mask is None else attention_mask & win
+
+        masks = self._layer_masks(mask_for)
+        return self._run(input_ids, position_ids, masks, None, aux_layer_ids, logits_at)
+
+    def _layer_masks(self, make) -> list:
+        """One mask per layer: ``make(None)`` for full attention, ``make(window)`` for sliding."""
+        cfg = self.config
+        full = make(None)
+        if not cfg.sliding_layers or cfg.sliding_window is None:
+            return [full] * cfg.num_layers
+        sliding = make(cfg.sliding_window)
+        return [sliding if i in cfg.sliding_layers else full for i in range(cfg.num_layers)]
+
+    def _run(self, input_ids: Tensor, positions: Tensor, masks: list, step: CacheStep | None,
+             aux_layer_ids, logits_at: Tensor | None) -> ModelOutput:
+        """Embed, run the layer stack, keep the requested residual streams, norm, project."""
+        aux_ids = self._check_aux_ids(aux_layer_ids)
+        keep = set(aux_ids)
+        h = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, h.dtype)
+        saved = {0: h} if 0 in keep else {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, masks[i], step)
+            if i + 1 in keep:
+                saved[i + 1] = h
+        hidden = self.norm(h)  # [B, T, H]
+        picked = hidden
+        if logits_at is not None:  # [B, K] -> hidden rows [B, K, H]
+            picked = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
+        return ModelOutput(self.lm_head(picked), hidden, tuple(saved[k] for k in aux_ids))
+
+    def _check_aux_ids(self, aux_layer_ids) -> tuple[int, ...]:
+        ids = tuple(int(k) for k in (aux_layer_ids or ()))
+        n = self.config.num_layers
+        bad = [k for k in ids if not 0 <= k <= n]
+        if bad:
+            raise ValueError(f"invalid value for 'aux_layer_ids': {list(ids)}; expected ids in "
+                             f"[0, {n}] (0 = embeddings, {n} = last layer before the final norm)")
+        return ids

@@ -1,0 +1,238 @@
+"""Load Hugging Face Llama-family checkpoints into :class:`~infer.models.llama.Llama`.
+
+Everything that knows Hugging Face's formats lives here: the per-architecture option table,
+``config.json`` / ``generation_config.json`` keys (transformers 4.x ``rope_theta`` +
+``rope_scaling`` and 5.x ``rope_parameters``), and weight names. Weights are read only from
+safetensors (``model.safetensors`` or a sharded ``model.safetensors.index.json``); pickled
+``.bin`` files are refused, never unpickled.
+
+``dtype="auto"`` honours the checkpoint's ``dtype`` / ``torch_dtype`` (float32 when absent), also on
+CPU: bfloat16 runs there, only slower; ask for ``"float32"`` explicitly if that matters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from infer.models.llama import ROPE_TYPES, Llama, ModelConfig, RopeConfig
+from infer.validation import config_error
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one Hugging Face architecture maps onto :class:`ModelConfig` options."""
+
+    model_type: str
+    qkv_bias: bool | None  # None: the config's ``attention_bias`` (which also covers o_proj)
+    qk_norm: bool
+    sliding: str  # "none"; "all": sliding_window on every layer; "layer_types": per layer
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": ArchSpec("llama", qkv_bias=None, qk_norm=False, sliding="none"),
+    "MistralForCausalLM": ArchSpec("mistral", qkv_bias=False, qk_norm=False, sliding="all"),
+    "Qwen2ForCausalLM": ArchSpec("qwen2", qkv_bias=True, qk_norm=False, sliding="layer_types"),
+    "Qwen3ForCausalLM": ArchSpec("qwen3", qkv_bias=None, qk_norm=True, sliding="layer_types"),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_architecture(hf: dict) -> str:
+    """The supported architecture a config names (``architectures``, else ``model_type``)."""
+    names = hf.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    if not names:
+        for name, spec in ARCHITECTURES.items():
+            if spec.model_type == hf.get("model_type"):
+                return name
+    raise config_error("architectures", names or None,
+                       f"one of the supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)} "
+                       f"(config.json model_type is {hf.get('model_type')!r})", "config.json")
+
+
+def rope_from_hf(hf: dict) -> RopeConfig:
+    """RoPE parameters from 4.x (``rope_theta``, ``rope_scaling``) or 5.x (``rope_parameters``)."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise config_error("rope_parameters", params, "one rope dict (per-layer-type rope is "
+                           "not supported)", "config.json")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise config_error("rope_type", rope_type, f"one of {', '.join(ROPE_TYPES)}", "config.json")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    keys = ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale",
+            "mscale_all_dim", "truncate")
+    opt = {k: params[k] for k in keys if params.get(k) is not None}
+    for k in ("beta_fast", "beta_slow"):  # Hugging Face treats 0 / None as "use the default"
+        if params.get(k):
+            opt[k] = float(params[k])
+    original = params.get("original_max_position_embeddings",
+                          hf.get("original_max_position_embeddings"))
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn" and original:
+        factor = hf["max_position_embeddings"] / original
+    return RopeConfig(theta=float(theta), type=rope_type, factor=float(factor or 1.0),
+                      original_max_position_embeddings=original, **opt)
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _sliding(hf: dict, spec: ArchSpec, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, layers using it): Mistral applies it everywhere; Qwen per ``layer_types``."""
+    window = hf.get("sliding_window")
+    if spec.sliding == "none" or window is None:
+        return None, ()
+    if spec.sliding == "all":
+        return int(window), tuple(range(num_layers))
+    if not hf.get("use_sliding_window", False):
+        return None, ()
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", num_layers) else "full_attention"
+        for i in range(num_layers)]
+    return int(window), tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+
+
+def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
+    """A :class:`ModelConfig` from ``config.json`` (and ``generation_config.json``) dicts."""
+    arch = resolve_architecture(hf)
+    spec = ARCHITECTURES[arch]
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise config_error("hidden_act", hf["hidden_act"], "'silu'", "config.json")
+    generation = generation or {}
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    attention_bias = bool(hf.get("attention_bias", False))
+    window, sliding_layers = _sliding(hf, spec, layers)
+    eos = _token_ids(generation.get("eos_token_id")) + _token_ids(hf.get("eos_token_id"))
+    bos = generation.get("bos_token_id", hf.get("bos_token_id"))
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        intermediate_size=hf["intermediate_size"], rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope=rope_from_hf(hf), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        model_type=spec.model_type, architecture=arch,
+        qkv_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
+        o_bias=attention_bias if spec.qkv_bias is None else False,
+        mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=spec.qk_norm,
+        sliding_window=window, sliding_layers=sliding_layers,
+        eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=bos,
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A local directory, or a hub id (``owner/name``) already in the local Hugging Face cache."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if not p.is_absolute() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        try:
+            from huggingface_hub import snapshot_download
+            return Path(snapshot_download(str(path), local_files_only=True,
+                                          allow_patterns=["*.json", "*.safetensors"]))
+        except Exception:  # not cached (or hub library absent): report the path below
+            pass
+    raise FileNotFoundError(f"model directory not found: {path} (a local directory, or a hub id "
+                            "already downloaded to the Hugging Face cache)")
+
+
+def _read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _read_hf_configs(model_dir: Path) -> tuple[dict, dict | None]:
+    """``config.json`` and (when present) ``generation_config.json`` as dicts."""
+    cfg_path, gen_path = model_dir / "config.json", model_dir / "generation_config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    return _read_json(cfg_path), _read_json(gen_path) if gen_path.is_file() else None
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a model directory (or locally cached hub id)."""
+    return config_from_hf(*_read_hf_configs(resolve_model_dir(path)))
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: a single file or the shards of an index."""
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    if single.is_file():
+        return [single]
+    pickled = sorted(p.name for p in model_dir.glob("*.bin"))
+    found = (f"; found only {', '.join(pickled)} (pickled weights are never loaded)"
+             if pickled else "")
+    raise FileNotFoundError(f"no safetensors weights in {model_dir}: expected model.safetensors "
+                            f"or model.safetensors.index.json{found}. safetensors is required; "
+                            "convert once with transformers (from_pretrained(dir)"
+                            ".save_pretrained(dir) writes safetensors)")
+
+
+def native_name(hf_name: str) -> str | None:
+    """Hugging Face weight name -> ours (drop the ``model.`` prefix); None = not a weight we use."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    return hf_name.removeprefix("model.")
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf: dict) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise config_error("dtype", dtype, f"'auto' or one of {', '.join(DTYPES)}", "load_model")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu") -> Llama:
+    """Build the model for a Hugging Face checkpoint directory and load its weights.
+
+    The model is built on the meta device (no random init), the safetensors tensors are assigned
+    in place, converted to ``dtype`` on ``device``. Returned frozen (``requires_grad=False``) and
+    in eval mode: it is a target model; call ``requires_grad_(True)`` to train it.
+    """
+    model_dir = resolve_model_dir(path)
+    hf, generation = _read_hf_configs(model_dir)
+    config = config_from_hf(hf, generation)
+    torch_dtype = resolve_dtype(dtype, hf)
+    files = weight_files(model_dir)  # checked before building anything
+    with torch.device("meta"):
+        model = Llama(config)
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                name = native_name(hf_name)
+                if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                t = f.get_tensor(hf_name)
+                to_dtype = torch_dtype if t.is_floating_point() else t.dtype
+                state[name] = t.to(device=device, dtype=to_dtype)
+    expected = {n for n, _ in model.named_parameters(remove_duplicate=True)}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_dir} does not match {config.architecture}: "
+                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # assign replaced the embedding parameter; re-share it
+    model.init_buffers()
+    return model.requires_grad_(False).eval()

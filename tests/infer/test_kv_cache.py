@@ -1,0 +1,74 @@
+"""Static KV cache bookkeeping: positions, padding writes, slot gathers, advance and rollback."""
+
+import pytest
+import torch
+
+from infer.kv_cache import KVCache
+
+
+def make(max_batch=4, max_len=8):
+    return KVCache(num_layers=2, max_batch=max_batch, num_kv_heads=2, max_len=max_len, head_dim=3)
+
+
+def test_shapes_and_for_model():
+    cache = make()
+    assert cache.k.shape == (2, 4, 2, 9, 3) and cache.lens.dtype == torch.long
+    assert cache.capacity == 9 and cache.max_batch == 4
+
+    class Cfg:
+        num_layers, num_kv_heads, head_dim = 3, 1, 5
+
+    assert KVCache.for_model(Cfg, 2, 6, dtype=torch.bfloat16).v.shape == (3, 2, 1, 7, 5)
+    with pytest.raises(ValueError, match="max_len=0"):
+        KVCache(1, 1, 1, 0, 1)
+
+
+def test_plan_positions_and_padding_go_to_scratch():
+    cache = make()
+    cache.lens[:] = torch.tensor([0, 5, 2, 7])
+    step = cache.plan(2, 3, slots=torch.tensor([2, 1]), num_tokens=torch.tensor([3, 1]))
+    assert step.positions.tolist() == [[2, 3, 4], [5, 6, 7]]
+    assert step.write_pos.tolist() == [[2, 3, 4], [5, 8, 8]]  # padding -> column max_len
+    assert step.kv_len == 6  # max(lens[slot] + num_tokens), read on the host
+    assert cache.plan(2, 3, kv_len=cache.capacity).kv_len == 9  # fixed: no host read
+
+
+def test_overflow_is_an_error():
+    cache = make(max_len=4)
+    cache.lens[0] = 3
+    with pytest.raises(ValueError, match="overflow"):
+        cache.plan(1, 2)
+
+
+def test_write_read_with_slots_and_contiguous_rows():
+    cache = make()
+    cache.lens[:] = torch.tensor([1, 0, 3, 0])
+    slots = torch.tensor([2, 0])
+    step = cache.plan(2, 2, slots)
+    k = torch.arange(2 * 2 * 2 * 3, dtype=torch.float32).view(2, 2, 2, 3)  # [B, kv_heads, T, hd]
+    k_all, v_all = step.update(1, k, -k)
+    assert k_all.shape == (2, 2, 5, 3)
+    torch.testing.assert_close(cache.k[1, 2, :, 3:5], k[0])
+    torch.testing.assert_close(cache.k[1, 0, :, 1:3], k[1])
+    torch.testing.assert_close(k_all[0, :, 3:5], k[0])
+    torch.testing.assert_close(v_all[1, :, 1:3], -k[1])
+    assert cache.k[0].abs().sum() == 0  # other layers untouched
+    # slots=None reads rows 0..B-1 as a view of the cache
+    k_view, _ = cache.read(1, None, 5, 2)
+    assert k_view.data_ptr() == cache.k[1].data_ptr()
+
+
+def test_advance_truncate_reset():
+    cache = make()
+    step = cache.plan(3, 4, torch.tensor([3, 0, 1]), num_tokens=torch.tensor([4, 2, 1]))
+    cache.advance(step)
+    assert cache.lens.tolist() == [2, 1, 0, 4]
+    cache.advance(cache.plan(2, 1))  # slots None: rows 0 and 1
+    assert cache.lens.tolist() == [3, 2, 0, 4]
+    before = cache.k.clone()
+    cache.truncate(torch.tensor([3, 0]), torch.tensor([1, 2]))  # rollback: lengths only
+    assert cache.lens.tolist() == [2, 2, 0, 1] and torch.equal(cache.k, before)
+    cache.reset(torch.tensor([1]))
+    assert cache.lens.tolist() == [2, 0, 0, 1]
+    cache.reset()
+    assert cache.lens.tolist() == [0, 0, 0, 0]
