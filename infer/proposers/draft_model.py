@@ -1,0 +1,113 @@
+"""Draft-model proposers: an independent small causal LM with the target's tokenizer.
+
+Sequential (``method: draft_model``): each step first *catches up* (one ragged forward over the
+tokens the draft's KV cache has not seen: the whole prompt at first, afterwards the accepted
+tokens and the new pending token) which also yields draft 1, then k - 1 single-token forwards.
+The draft cache is rolled back to the verified tokens after drafting (a length reset), so
+rejected drafts never linger in it.
+
+Parallel (PARD, ``draft_model`` + ``parallel_drafting: true``): the catch-up forward carries
+``k - 1`` mask tokens after the real ones, and its last k logits are the k drafts; one forward per
+step. The mask id is ``pard_token`` (or ``mask_token_id`` / ``ptd_token_id``) in the draft's
+config.json.
+
+Drafts are argmax, except with ``probabilistic`` rejection on sampled rows, where they are sampled
+from the draft's distribution ``q`` (same temperature / top-k / top-p as the target) and ``q`` is
+returned for the acceptance test.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.kv_cache import KVCache
+from infer.models.loader import load_model
+from infer.proposers.base import DraftBatch, Proposal, Proposer, ProposerContext, register
+from infer.sampling import logits_to_probs, sample_from_probs
+from infer.spec_config import SpeculativeConfig, draft_config_path, read_draft_config
+
+MASK_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")
+
+
+@register("draft_model")
+class DraftModelProposer(Proposer):
+    provides_draft_probs = True
+
+    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
+        super().__init__(spec, ctx)
+        self.model = load_model(spec.model, dtype=ctx.dtype, device=ctx.device)
+        vocab = self.model.config.vocab_size
+        if vocab != ctx.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} has vocab_size "
+                             f"{vocab} but the target has {ctx.vocab_size}; a draft model must "
+                             "share the target's tokenizer and vocabulary")
+        self.k = spec.num_speculative_tokens
+        self.max_len = spec.check_against_target(ctx.max_model_len)
+        self.mask_id = _mask_token(spec) if spec.parallel_drafting else None
+        # room for the catch-up tokens plus k - 1 drafts or masks beyond the longest sequence
+        self.cache = KVCache.for_model(self.model.config, ctx.max_num_seqs, self.max_len + self.k,
+                                       dtype=ctx.dtype, device=ctx.device)
+        self.fed = [0] * ctx.max_num_seqs  # verified tokens held in each slot's draft cache
+        self.sample = spec.rejection_sample_method == "probabilistic"
+
+    def start(self, slot: int, prompt_ids: list[int]) -> None:
+        self.fed[slot] = 0
+
+    def propose(self, batch: DraftBatch) -> Proposal:
+        slots = torch.tensor(batch.slots, device=self.ctx.device)  # [B]
+        self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
+                                                device=self.ctx.device))
+        feeds = [toks[self.fed[s]:] for s, toks in zip(batch.slots, batch.token_ids)]
+        for s, toks in zip(batch.slots, batch.token_ids):
+            self.fed[s] = len(toks)  # after this step's catch-up the cache holds all of them
+        if self.mask_id is not None:
+            logits = self._parallel(feeds, slots, batch.k)  # [B, k, vocab]
+            tokens, probs = self._choose(logits, batch)
+        else:
+            tokens, probs = self._sequential(feeds, slots, batch)
+        return Proposal(tokens, probs if self.sample else None)
+
+    def _sequential(self, feeds: list[list[int]], slots: torch.Tensor, batch: DraftBatch):
+        logits = self._forward_ragged(feeds, slots, last=1)  # [B, 1, vocab]
+        tokens, probs = [], []
+        for step in range(batch.k):
+            tok, q = self._choose(logits, batch)  # [B, 1], [B, 1, vocab]
+            tokens.append(tok)
+            probs.append(q)
+            if step + 1 < batch.k:
+                logits = self.model(tok, self.cache, slots).logits  # [B, 1, vocab]
+        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1)  # [B, k], [B, k, vocab]
+
+    def _parallel(self, feeds: list[list[int]], slots: torch.Tensor, k: int) -> torch.Tensor:
+        masked = [f + [self.mask_id] * (k - 1) for f in feeds]
+        return self._forward_ragged(masked, slots, last=k)
+
+    def _forward_ragged(self, feeds: list[list[int]], slots: torch.Tensor,
+                        last: int) -> torch.Tensor:
+        """Append ragged token lists; logits ``[B, last, vocab]`` at each row's last positions."""
+        device = self.ctx.device
+        lens = torch.tensor([len(f) for f in feeds], device=device)  # [B]
+        ids = torch.zeros(len(feeds), max(len(f) for f in feeds), dtype=torch.long)
+        for row, f in enumerate(feeds):
+            ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
+        at = lens[:, None] - last + torch.arange(last, device=device)  # [B, last]
+        return self.model(ids.to(device), self.cache, slots, num_tokens=lens, logits_at=at).logits
+
+    def _choose(self, logits: torch.Tensor, batch: DraftBatch):
+        """Draft tokens ``[B, n]`` and the draft distribution ``[B, n, vocab]`` they came from."""
+        temperature = batch.temperature if batch.temperature is not None else 0.0
+        q = logits_to_probs(logits, temperature, batch.top_k, batch.top_p)  # [B, n, vocab]
+        if self.sample:
+            return sample_from_probs(q, batch.generator), q
+        return logits.argmax(dim=-1), q
+
+
+def _mask_token(spec: SpeculativeConfig) -> int:
+    path = draft_config_path(spec.model)
+    config = read_draft_config(path) if path is not None else {}
+    for key in MASK_KEYS:
+        if isinstance(config.get(key), int):
+            return config[key]
+    raise ValueError(f"speculative_config: parallel_drafting needs a mask token id in the draft's "
+                     f"config.json (one of {', '.join(MASK_KEYS)}); none found for "
+                     f"{spec.model!r}")

@@ -1,0 +1,93 @@
+"""Request state inside the engine and the outputs ``LLM.generate`` returns (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.metrics import SpecMetrics
+from infer.sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One completion (draftsmith supports n=1)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", or "error"
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt, in prompt order."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: dict  # SpecMetrics.as_dict() of this request
+    error: str | None = None  # set when the request was refused (e.g. prompt too long)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class Request:
+    """A running request. ``tokens`` = prompt + output; the last one is *pending*: sampled but not
+    yet written to the target's KV cache (the next step feeds it), so ``cache_len = len - 1``."""
+
+    request_id: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def draft_limit(self, k: int, max_model_len: int) -> int:
+        """Drafts worth verifying: every emitted token must fit max_tokens and the cache."""
+        room_out = self.params.max_tokens - self.num_output - 1  # the final token takes one
+        room_cache = max_model_len - len(self.tokens)
+        return max(0, min(k, room_out, room_cache))
+
+    def append(self, new: list[int], eos_ids: frozenset[int], max_model_len: int) -> int:
+        """Append emitted tokens until a stop condition; returns how many were kept."""
+        p = self.params
+        for i, tok in enumerate(new):
+            self.tokens.append(tok)
+            stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids
+                                               and self.num_output >= p.min_tokens)
+            if stop:
+                self.finish_reason = "stop"
+            elif self.num_output >= p.max_tokens or len(self.tokens) >= max_model_len:
+                self.finish_reason = "length"
+            if self.finished:
+                return i + 1
+        return len(new)
