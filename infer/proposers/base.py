@@ -64,7 +64,8 @@ class VerifiedStep:
     slots: list[int]
     num_accepted: list[int]  # accepted drafts per request
     new_tokens: list[list[int]]  # tokens appended to each request this step (accepted + final)
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # "target_output": the verify forward's
+    # ModelOutput; its position j of row i is the target's state after [pending, d_1..d_j]
 
 
 class Proposer(ABC):
@@ -72,6 +73,10 @@ class Proposer(ABC):
 
     #: whether the proposer drafts probabilities usable by ``probabilistic`` rejection
     provides_draft_probs: bool = False
+    #: target residual streams the proposer needs (REFERENCE section 4 numbering: 0 = embeddings,
+    #: N = last layer before the final norm); the engine requests them in prefill and verify
+    #: forwards and hands the ``ModelOutput`` to ``prefilled`` / ``observe``
+    aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         self.spec = spec
@@ -79,6 +84,11 @@ class Proposer(ABC):
 
     def start(self, slot: int, prompt_ids: list[int]) -> None:
         """A request took ``slot`` (its prompt is already prefilled in the target's cache)."""
+
+    def prefilled(self, slots: list[int], num_tokens: list[int], target_output: Any) -> None:
+        """Target outputs of the prompts just prefilled: row i is ``slots[i]`` with
+        ``num_tokens[i]`` valid positions of ``target_output.hidden`` ``[B, T, H]`` and of each
+        ``target_output.aux`` entry (in ``aux_layer_ids`` order)."""
 
     @abstractmethod
     def propose(self, batch: DraftBatch) -> Proposal:

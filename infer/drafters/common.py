@@ -1,0 +1,157 @@
+"""Pieces shared by the learned drafters: checkpoint I/O, the training-time KV store, and the
+Hugging Face config dict of a draft layer.
+
+Checkpoints are a directory with ``config.json`` + ``model.safetensors`` (what vLLM and SGLang
+load). Writes are atomic: everything goes to a temporary directory beside the destination and is
+moved in with ``os.replace``, so a crash mid-save never leaves a half-written checkpoint that a
+later load would half-trust. Reads reuse the target loader's directory / safetensors rules
+(local dir or cached hub id; pickled weights are refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from infer.models.llama import ModelConfig
+from infer.models.loader import resolve_model_dir, weight_files
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` into ``path`` atomically.
+
+    A new directory appears in one ``os.replace``; into an existing one the weights are replaced
+    first and ``config.json`` last, each file atomically (other files there are left alone).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        save_file(flat, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+        if not path.exists():
+            os.replace(tmp, path)
+            return path
+        for name in (WEIGHTS_NAME, CONFIG_NAME):
+            os.replace(tmp / name, path / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict, dict[str, Tensor], Path]:
+    """``(config dict, {name: tensor} on CPU, resolved directory)`` of a drafter checkpoint."""
+    model_dir = resolve_model_dir(path)
+    cfg_path = model_dir / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {model_dir}")
+    config = json.loads(cfg_path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path} holds {type(config).__name__}; expected a JSON object")
+    state: dict[str, Tensor] = {}
+    for file in weight_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                state[name] = f.get_tensor(name)
+    return config, state, model_dir
+
+
+def check_names(where: Path | str, expected: set[str], found: set[str]) -> None:
+    """Exact weight-name match, with both differences in the error."""
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        raise ValueError(f"drafter checkpoint {where}: missing weights {missing[:8]}, "
+                         f"unexpected weights {unexpected[:8]}")
+
+
+def share(owner: torch.nn.Module, name: str, module: torch.nn.Module | None) -> None:
+    """Keep a reference to a module owned by someone else (the target's embedding / LM head)
+    without registering it, so it is never saved, moved or trained as part of ``owner``."""
+    object.__setattr__(owner, name, module)
+
+
+class StepKV:
+    """Append-only keys/values across training-time-test steps (duck-types ``CacheStep``).
+
+    Step ``s`` of an EAGLE-3 TTT unroll attends to the keys of steps ``0 .. s``; pass the same
+    ``StepKV`` to each step's ``forward_train`` together with a mask over ``[T, (s + 1) * T]``.
+    """
+
+    def __init__(self) -> None:
+        self.k: dict[int, Tensor] = {}
+        self.v: dict[int, Tensor] = {}
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append this step's ``[B, kv_heads, T, hd]``; return all keys/values so far."""
+        if layer in self.k:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    @property
+    def length(self) -> int:
+        """Keys held per layer (0 before the first step)."""
+        return next(iter(self.k.values())).shape[2] if self.k else 0
+
+
+def hf_layer_config(cfg: ModelConfig, *, num_layers: int = 1,
+                    intermediate_size: int | None = None) -> dict:
+    """A Hugging Face ``config.json`` dict for a draft layer shaped like ``cfg`` (the target).
+
+    Written in the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``) that vLLM,
+    SGLang and this project's loader all read. Sliding windows are dropped: a one-layer drafter
+    attends to its whole (short) context.
+    """
+    r = cfg.rope
+    scaling = None
+    if r.type != "default":
+        scaling = {"rope_type": r.type, "factor": r.factor}
+        if r.type == "llama3":
+            scaling.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+        if r.type == "yarn":
+            scaling.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate)
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(r, key) is not None:
+                    scaling[key] = getattr(r, key)
+        if r.original_max_position_embeddings is not None:
+            scaling["original_max_position_embeddings"] = r.original_max_position_embeddings
+    return {
+        "architectures": [cfg.architecture], "model_type": cfg.model_type,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": intermediate_size or cfg.intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
+        "attention_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": False,
+        "rope_theta": r.theta, "rope_scaling": scaling,
+    }
+
+
+def gather_rows(x: Tensor, index: Tensor | None) -> Tensor:
+    """``x [B, T, D]`` at ``index [B, K]`` -> ``[B, K, D]`` (``index`` None: ``x`` unchanged)."""
+    if index is None:
+        return x
+    return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def as_bool_mask(mask: Tensor | None) -> Tensor | None:
+    """A user mask ``[B, T, S]`` / ``[B, 1, T, S]`` (True = may attend) as ``[B, 1, T, S]``."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        raise ValueError(f"attention_mask must be bool (True = attend), got {mask.dtype}")
+    return mask[:, None] if mask.dim() == 3 else mask

@@ -1,0 +1,407 @@
+"""EAGLE-3 draft model in the speculators format that vLLM loads (REFERENCE section 4).
+
+Architecture (one step, per position ``t``)::
+
+    g_t   = fc(cat(aux states of the target at t))            # [.., n_aux * H_t] -> [.., H]
+            (optionally RMS-normed first: ``input_norm`` over the concatenation when
+             ``norm_before_fc``, one ``fc_norm.i`` per aux state when ``fc_norm``)
+    x     = cat(input_layernorm(embed(token_{t+1})), hidden_norm(g_t))    # [.., 2H]
+    h     = residual + attn(x);  residual = g_t (or hidden_norm(g_t) if norm_before_residual)
+    h     = h + mlp(post_attention_layernorm(h))
+    logits over the draft vocabulary = lm_head(norm(h));  draft id i -> target id i + d2t[i]
+
+The next step feeds ``h`` back in place of ``g`` (``norm(h)`` when ``norm_output``): at
+inference that chains the k drafts, in training it is the training-time-test unroll. Positions
+follow vLLM: the pair ``(g_t, token_{t+1})`` sits at position ``t``; RoPE only sees differences,
+so any consistent offset (speculators trains from 1) gives the same attention.
+
+Aux layer ids: id ``k`` is the target's residual stream after ``k`` layers (0 = embeddings, N =
+last layer before the final norm); the states are concatenated in *sorted* id order, whatever
+order the config lists them in (vLLM collects them while walking the layers). vLLM 0.32 can only
+capture ids in ``[1, N - 1]`` and builds ``fc`` for exactly three of them; this engine accepts
+any ids in ``[0, N]``. ``default_aux_layer_ids`` picks portable ones.
+
+Checkpoint: ``config.json`` with the speculators keys (:class:`Eagle3Config`) and
+``model.safetensors`` with ``fc.weight``, ``layers.0.*`` (``q/k/v`` take ``2H``,
+``layers.0.hidden_norm.weight``), ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``, and
+``embed_tokens.weight`` only when the drafter has its own embedding (absent -> the target's is
+shared, as vLLM does). ``input_norm.weight`` / ``fc_norm.{i}.weight`` exist only with their flags.
+SGLang's ``midlayer.*`` names are accepted on load; ``verifier_*`` tensors are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from infer.drafters.common import (StepKV, as_bool_mask, check_names, gather_rows,
+                                   hf_layer_config, read_checkpoint, share, write_checkpoint)
+from infer.kv_cache import CacheStep, KVCache
+from infer.models.llama import (MLP, Attention, ModelConfig, RMSNorm, position_mask,
+                                rope_cos_sin, rope_frequencies)
+from infer.models.loader import config_from_hf, resolve_dtype
+from infer.validation import check_int, config_error
+
+ARCHITECTURE = "Eagle3DraftModel"
+SPECULATORS_VERSION = "0.3.0"
+_WHERE = "eagle3 config.json"
+_IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def default_aux_layer_ids(num_target_layers: int) -> list[int]:
+    """speculators' ``[2, n // 2, n - 3]``, made valid for small targets.
+
+    Ids are kept in ``[1, n - 1]`` (the range vLLM can capture) and must be three distinct ones
+    (vLLM's ``fc`` takes exactly ``3 * H_target``): out-of-range ids are clamped, and collisions
+    are replaced by the free id farthest from those already chosen (ties: the lower id). So
+    n = 32 -> [2, 16, 29], n = 4 -> [1, 2, 3], n = 6 -> [2, 3, 5]. Needs n >= 4.
+    """
+    n = num_target_layers
+    if isinstance(n, bool) or not isinstance(n, int) or n < 4:
+        raise config_error("num_target_layers", n, "an integer >= 4: EAGLE-3 needs three distinct "
+                           "aux layers in [1, n - 1]; for a smaller target pass "
+                           "eagle_aux_hidden_state_layer_ids explicitly (this engine accepts "
+                           "ids in [0, n], vLLM only [1, n - 1])", "default_aux_layer_ids")
+    chosen = sorted({min(max(k, 1), n - 1) for k in (2, n // 2, n - 3)})
+    while len(chosen) < 3:
+        free = [k for k in range(1, n) if k not in chosen]
+        chosen = sorted(chosen + [max(free, key=lambda k: (min(abs(k - c) for c in chosen), -k))])
+    return chosen
+
+
+@dataclass
+class Eagle3Config:
+    """The speculators ``config.json`` of an EAGLE-3 drafter, read and written losslessly."""
+
+    transformer_layer_config: dict  # HF config of the draft layer; vocab_size = target vocab
+    draft_vocab_size: int
+    eagle_aux_hidden_state_layer_ids: list[int] | None  # None: the target decides (default ids)
+    target_hidden_size: int | None = None  # None: the draft layer's hidden_size
+    norm_before_fc: bool = False  # RMSNorm over the concatenated aux states (``input_norm``)
+    norm_before_residual: bool = True  # residual = hidden_norm(g); vLLM's default when absent
+    norm_output: bool = False  # feed back norm(h) instead of h
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (``fc_norm.{i}``)
+    embed_requires_grad: bool = False
+    speculative_tokens: int = 3  # K of the greedy proposal method (vLLM's default k)
+    verifier_architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
+    verifier_name_or_path: str | None = None
+    speculators_version: str = SPECULATORS_VERSION
+    extra: dict = field(default_factory=dict)  # other top-level keys, written back unchanged
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transformer_layer_config, dict):
+            raise config_error("transformer_layer_config", self.transformer_layer_config,
+                               "a JSON object (the draft layer's Llama/Qwen3 config)", _WHERE)
+        layers = self.transformer_layer_config.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise config_error("transformer_layer_config.num_hidden_layers", layers,
+                               "1 (one EAGLE-3 decoder layer)", _WHERE)
+        vocab = self.transformer_layer_config.get("vocab_size")
+        check_int("transformer_layer_config.vocab_size", vocab, _WHERE, minimum=1)
+        check_int("draft_vocab_size", self.draft_vocab_size, _WHERE, minimum=1)
+        if self.draft_vocab_size > vocab:
+            raise config_error("draft_vocab_size", self.draft_vocab_size,
+                               f"<= the target vocabulary ({vocab})", _WHERE)
+        check_int("target_hidden_size", self.target_hidden_size, _WHERE, minimum=1, optional=True)
+        check_int("speculative_tokens", self.speculative_tokens, _WHERE, minimum=1)
+        ids = self.eagle_aux_hidden_state_layer_ids
+        if ids is not None and (not isinstance(ids, list) or not ids or len(set(ids)) != len(ids)
+                                or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
+                                       for k in ids)):
+            raise config_error("eagle_aux_hidden_state_layer_ids", ids,
+                               "a non-empty list of distinct layer ids >= 0", _WHERE)
+
+    # ---- derived -----------------------------------------------------------------------------
+
+    @property
+    def layer(self) -> ModelConfig:
+        """The draft layer as this project's :class:`ModelConfig` (via the HF loader rules)."""
+        return config_from_hf(self.transformer_layer_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.transformer_layer_config["vocab_size"]
+
+    @property
+    def target_hidden(self) -> int:
+        return self.target_hidden_size or self.transformer_layer_config["hidden_size"]
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.eagle_aux_hidden_state_layer_ids or (0, 0, 0))
+
+    # ---- config.json -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """The speculators ``config.json`` (every key vLLM and speculators read)."""
+        return {
+            **self.extra,
+            "architectures": [ARCHITECTURE],
+            "speculators_model_type": "eagle3",
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden,
+            "eagle_aux_hidden_state_layer_ids": self.eagle_aux_hidden_state_layer_ids,
+            "norm_before_fc": self.norm_before_fc,
+            "norm_before_residual": self.norm_before_residual,
+            "norm_output": self.norm_output,
+            "fc_norm": self.fc_norm,
+            "embed_requires_grad": self.embed_requires_grad,
+            "tie_word_embeddings": False,
+            "transformer_layer_config": dict(self.transformer_layer_config),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy",
+                                      "speculative_tokens": self.speculative_tokens,
+                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                "verifier": {"architectures": list(self.verifier_architectures),
+                             "name_or_path": self.verifier_name_or_path},
+            },
+            "speculators_version": self.speculators_version,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3Config":
+        """Parse a speculators EAGLE-3 ``config.json``; missing optional keys get vLLM's defaults
+        (``norm_before_residual`` True, ``draft_vocab_size`` = the target vocabulary)."""
+        if d.get("speculators_model_type") != "eagle3":
+            raise config_error("speculators_model_type", d.get("speculators_model_type"),
+                               "'eagle3'", _WHERE)
+        layer = d.get("transformer_layer_config")
+        spec = d.get("speculators_config") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        verifier = spec.get("verifier") or {}
+        known = {"architectures", "speculators_model_type", "draft_vocab_size",
+                 "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc",
+                 "norm_before_residual", "norm_output", "fc_norm", "embed_requires_grad",
+                 "tie_word_embeddings", "transformer_layer_config", "speculators_config",
+                 "speculators_version"}
+        vocab = layer.get("vocab_size") if isinstance(layer, dict) else None
+        return cls(
+            transformer_layer_config=layer,
+            draft_vocab_size=d.get("draft_vocab_size") or vocab,
+            eagle_aux_hidden_state_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"),
+            target_hidden_size=d.get("target_hidden_size"),
+            norm_before_fc=bool(d.get("norm_before_fc") or False),
+            norm_before_residual=bool(d.get("norm_before_residual", True)),
+            norm_output=bool(d.get("norm_output") or False),
+            fc_norm=bool(d.get("fc_norm") or False),
+            embed_requires_grad=bool(d.get("embed_requires_grad") or False),
+            speculative_tokens=methods[0].get("speculative_tokens", 3),
+            verifier_architectures=list(verifier.get("architectures") or []),
+            verifier_name_or_path=verifier.get("name_or_path"),
+            speculators_version=str(d.get("speculators_version", SPECULATORS_VERSION)),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, *, draft_vocab_size: int | None = None,
+                   aux_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
+                   verifier_name_or_path: str | None = None, **flags) -> "Eagle3Config":
+        """A drafter shaped like ``target`` (same heads, hidden size and RoPE, one layer).
+
+        The draft layer is a plain Llama layer whatever the target family (no attention bias, no
+        qk-norm): vLLM builds every speculators EAGLE-3 head as ``Eagle3LlamaForCausalLM``, and
+        speculators' own Qwen3 heads declare ``model_type: llama`` too.
+        """
+        layer = hf_layer_config(target, intermediate_size=intermediate_size)
+        layer.update(architectures=["LlamaForCausalLM"], model_type="llama",
+                     attention_bias=False, mlp_bias=False)
+        return cls(
+            transformer_layer_config=layer,
+            draft_vocab_size=draft_vocab_size or target.vocab_size,
+            eagle_aux_hidden_state_layer_ids=(aux_layer_ids
+                                              or default_aux_layer_ids(target.num_layers)),
+            target_hidden_size=target.hidden_size,
+            verifier_architectures=[target.architecture],
+            verifier_name_or_path=verifier_name_or_path, **flags)
+
+
+class Eagle3Layer(nn.Module):
+    """The one decoder layer: q/k/v over ``cat(input_layernorm(embeds), hidden_norm(g))``."""
+
+    def __init__(self, cfg: ModelConfig, norm_before_residual: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = Attention(cfg, 0)
+        attn = self.self_attn  # widen q/k/v to the 2H input (same names, as speculators does)
+        attn.q_proj = nn.Linear(2 * h, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        attn.k_proj = nn.Linear(2 * h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        attn.v_proj = nn.Linear(2 * h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, embeds: Tensor, g: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                step=None) -> Tensor:
+        """``embeds, g [B, T, H]`` -> ``[B, T, H]``."""
+        normed = self.hidden_norm(g)
+        residual = normed if self.norm_before_residual else g
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        h = residual + self.self_attn(x, cos, sin, mask, step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 draft model: see the module doc for the math and the checkpoint format."""
+
+    def __init__(self, config: Eagle3Config, *, with_embedding: bool | None = None):
+        super().__init__()
+        self.config = config
+        lc = self.layer_config = config.layer
+        h, ht, eps = lc.hidden_size, config.target_hidden, lc.rms_norm_eps
+        n_in = config.num_aux * ht
+        self.input_norm = RMSNorm(n_in, eps) if config.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(ht, eps) for _ in range(config.num_aux))
+                        if config.fc_norm else None)
+        self.fc = nn.Linear(n_in, h, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual)])
+        self.norm = RMSNorm(h, eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        if with_embedding is None:
+            with_embedding = config.embed_requires_grad
+        self.embed_tokens = nn.Embedding(lc.vocab_size, h) if with_embedding else None
+        share(self, "shared_embed", None)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(lc.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.rope_scale = 1.0
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute RoPE frequencies on the weights' device (after a meta-device build)."""
+        self.inv_freq, self.rope_scale = rope_frequencies(self.layer_config, self.fc.weight.device)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target residual streams to capture, sorted (the concatenation order of ``fc``)."""
+        return tuple(sorted(self.config.eagle_aux_hidden_state_layer_ids or ()))
+
+    # ---- vocabulary and embedding ------------------------------------------------------------
+
+    def share_embedding(self, embedding: nn.Embedding) -> None:
+        """Use the target's embedding (frozen, not saved) when the drafter has none."""
+        share(self, "shared_embed", embedding)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        emb = self.embed_tokens if self.embed_tokens is not None else self.shared_embed
+        if emb is None:
+            raise RuntimeError("Eagle3Drafter has no embedding: the checkpoint has no "
+                               "embed_tokens.weight; call share_embedding(target.embed_tokens)")
+        return emb(ids)
+
+    def set_vocab(self, target_ids: Tensor) -> None:
+        """Draft vocabulary = ``target_ids [draft_vocab_size]`` (distinct target token ids)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long, device=self.d2t.device)
+        v, vd = self.layer_config.vocab_size, self.config.draft_vocab_size
+        if ids.shape != (vd,) or ids.unique().numel() != vd or ids.min() < 0 or ids.max() >= v:
+            raise ValueError(f"set_vocab: expected {vd} distinct target ids in [0, {v}), got "
+                             f"shape {tuple(ids.shape)}")
+        self.d2t.copy_(ids - torch.arange(vd, device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (``i + d2t[i]``), any shape."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def to_target_probs(self, q: Tensor) -> Tensor:
+        """``q [..., draft_vocab]`` -> ``[..., vocab]``: scattered to target ids, 0 elsewhere."""
+        out = q.new_zeros(*q.shape[:-1], self.layer_config.vocab_size)
+        target = torch.arange(q.shape[-1], device=q.device) + self.d2t  # [draft_vocab]
+        return out.index_copy_(-1, target, q)
+
+    # ---- forwards ----------------------------------------------------------------------------
+
+    def prepare(self, aux: Tensor) -> Tensor:
+        """Aux states concatenated in sorted id order ``[.., n_aux * H_t]`` -> ``g [.., H]``."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            parts = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(aux)
+
+    def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache,
+                slots: Tensor | None = None, *, num_tokens: Tensor | None = None,
+                kv_len: int | None = None,
+                logits_at: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Cached step: pairs ``(hidden [B, T, H], input_ids [B, T])`` appended to cache rows.
+
+        Same ragged/rollback contract as :meth:`infer.models.llama.Llama.forward`. Returns
+        ``(logits [B, K, draft_vocab], next hidden [B, K, H])`` at ``logits_at [B, K]``
+        (default: every position).
+        """
+        b, t = input_ids.shape
+        step = cache.plan(b, t, slots, num_tokens, kv_len)
+        key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
+        mask = position_mask(step.positions, key_pos)  # [B, 1, T, S]
+        out = self._run(input_ids, hidden, step.positions, mask, step, logits_at)
+        cache.advance(step)
+        return out
+
+    def forward_train(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
+                      attention_mask: Tensor | None = None,
+                      kv: StepKV | None = None) -> tuple[Tensor, Tensor]:
+        """Full-sequence step for training: ``(logits [B, T, draft_vocab], hidden [B, T, H])``.
+
+        ``hidden`` is ``g = prepare(aux)`` at TTT step 0 and the previous step's returned hidden
+        afterwards. ``attention_mask`` bool ``[B, T, S]`` / ``[B, 1, T, S]`` (True = attend) over
+        the keys of ``kv`` (earlier steps) followed by this step's; None = causal (only without
+        earlier keys). ``position_ids [B, T]`` default ``0 .. T-1``.
+        """
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        mask = as_bool_mask(attention_mask)
+        if mask is None and kv is not None and kv.length:
+            raise ValueError("forward_train: an attention_mask is required once kv holds "
+                             "earlier steps' keys")
+        return self._run(input_ids, hidden, position_ids, mask, kv, None)
+
+    def _run(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
+             step: CacheStep | StepKV | None, logits_at: Tensor | None) -> tuple[Tensor, Tensor]:
+        embeds = self.embed(input_ids).to(hidden.dtype)  # [B, T, H]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, hidden.dtype)
+        h = self.layers[0](embeds, hidden, cos, sin, mask, step)  # [B, T, H]
+        h = gather_rows(h, logits_at)  # [B, K, H]
+        normed = self.norm(h)
+        return self.lm_head(normed), (normed if self.config.norm_output else h)
+
+    # ---- checkpoint --------------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write the speculators checkpoint (atomic); the shared embedding is not saved."""
+        config = self.config.to_dict()
+        config["torch_dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
+        return write_checkpoint(path, config, self.state_dict())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",
+                        device: str | torch.device = "cpu") -> "Eagle3Drafter":
+        """Load a speculators (or SGLang ``midlayer``) EAGLE-3 checkpoint, frozen, eval mode."""
+        raw, state, model_dir = read_checkpoint(path)
+        config = Eagle3Config.from_dict(raw)
+        state = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+                 for k, v in state.items() if k not in _IGNORED}
+        with torch.device("meta"):
+            model = cls(config, with_embedding="embed_tokens.weight" in state)
+        if "d2t" not in state:  # vLLM's default: identity over the first draft_vocab_size ids
+            state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+        if "t2d" not in state:
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(config.draft_vocab_size) + state["d2t"]] = True
+            state["t2d"] = t2d
+        check_names(model_dir, set(model.state_dict()), set(state))
+        torch_dtype = resolve_dtype(dtype, {**config.transformer_layer_config, **config.extra})
+        model.load_state_dict({k: v.to(device=device, dtype=torch_dtype if v.is_floating_point()
+                                       else v.dtype) for k, v in state.items()}, assign=True)
+        model.init_buffers()
+        return model.requires_grad_(False).eval()

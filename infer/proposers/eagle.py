@@ -1,0 +1,165 @@
+"""EAGLE-family chain proposers (``method: eagle`` here, ``eagle3`` in :mod:`.eagle3`).
+
+An EAGLE head drafts from the *target's* hidden states, so it must be fed them for every
+verified position. The draft KV cache of a request holds one entry per pair
+``(target state after token t, token t+1)``, at position ``t``:
+
+- ``prefilled`` (after the prompt's target forward) and ``observe`` (after each verify forward)
+  hand over target outputs; the proposer keeps the features of the *verified* positions
+  (prompt: all ``n``; verify: positions ``0 .. len(new_tokens) - 1``, i.e. the states after the
+  pending token and the accepted drafts) as pending, already ``prepare``-d (EAGLE-3: ``fc``).
+- ``propose`` first rolls the draft cache back to the verified pairs (a length reset: entries
+  written while drafting used the head's own hidden states, not the target's), then *catches up*
+  with one ragged forward over the pending pairs, whose tokens are the request's tokens after
+  each feature's position (the last one is the pending token). Its last output gives draft 1;
+  drafts 2..k come from single-pair forwards that feed the head's own hidden state back.
+
+Drafts are argmax, except with ``probabilistic`` rejection on sampled rows, where they are sampled
+from the head's distribution (target temperature / top-k / top-p applied over the head's
+vocabulary) and that distribution is returned over the full target vocabulary (zero outside the
+draft vocabulary) for the acceptance test.
+
+Engine contract: target forwards of prefill and verify must request ``aux_layer_ids`` (EAGLE-3;
+EAGLE-1 needs none: it uses ``ModelOutput.hidden``), the engine calls ``prefilled`` for every
+newly prefilled request and passes the verify ``ModelOutput`` as ``extras["target_output"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from infer.drafters.eagle import EagleDrafter
+from infer.kv_cache import KVCache
+from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
+                                  register)
+from infer.sampling import logits_to_probs, sample_from_probs
+from infer.spec_config import SpeculativeConfig
+
+_WIRING = ("the engine must call proposer.prefilled(...) after each prefill and pass the verify "
+           "forward's ModelOutput as VerifiedStep.extras['target_output']")
+
+
+class EagleChainProposer(Proposer):
+    """Shared chain drafting for EAGLE heads; subclasses load the head and pick its features.
+
+    The head (``self.drafter``) provides ``prepare(features) -> [.., H]``,
+    ``forward(ids, hidden, cache, slots, num_tokens=, logits_at=) -> (logits, hidden)``,
+    ``to_target_ids`` and ``to_target_probs``, and ``layer_config`` for its KV cache.
+    """
+
+    provides_draft_probs = True
+
+    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
+        super().__init__(spec, ctx)
+        self.drafter = self.load_drafter(spec, ctx)
+        self.k = spec.num_speculative_tokens
+        self.max_len = spec.check_against_target(ctx.max_model_len)
+        # catch-up pairs of the longest sequence plus k - 1 drafted pairs
+        self.cache = KVCache.for_model(self.drafter.layer_config, ctx.max_num_seqs,
+                                       self.max_len + self.k, dtype=ctx.dtype, device=ctx.device)
+        self.fed = [0] * ctx.max_num_seqs  # verified pairs held in each slot's draft cache
+        self.pending: dict[int, Tensor] = {}  # slot -> [m, H] prepared features not yet fed
+        self.sample = spec.rejection_sample_method == "probabilistic"
+
+    # ---- subclass hooks ----------------------------------------------------------------------
+
+    def load_drafter(self, spec: SpeculativeConfig, ctx: ProposerContext) -> Any:
+        raise NotImplementedError
+
+    def target_features(self, target_output: Any) -> Tensor:
+        """The raw per-position target features ``[B, T, F]`` the head's ``prepare`` takes."""
+        raise NotImplementedError
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def prefilled(self, slots: list[int], num_tokens: list[int], target_output: Any) -> None:
+        with torch.no_grad():
+            feats = self.drafter.prepare(self.target_features(target_output))  # [B, T, H]
+        for row, (slot, n) in enumerate(zip(slots, num_tokens)):
+            self.fed[slot] = 0
+            self.pending[slot] = feats[row, :n].clone()
+
+    def observe(self, step: VerifiedStep) -> None:
+        out = step.extras.get("target_output")
+        if out is None:
+            raise RuntimeError(f"{type(self).__name__}.observe got no target_output; {_WIRING}")
+        with torch.no_grad():
+            feats = self.drafter.prepare(self.target_features(out))  # [B, k + 1, H]
+        for row, (slot, new) in enumerate(zip(step.slots, step.new_tokens)):
+            if slot not in self.pending:
+                raise RuntimeError(f"no target features for slot {slot}; {_WIRING}")
+            self.pending[slot] = torch.cat([self.pending[slot], feats[row, : len(new)]])
+
+    def finish(self, slot: int) -> None:
+        self.pending.pop(slot, None)
+        self.fed[slot] = 0
+
+    # ---- drafting ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        device = self.ctx.device
+        slots = torch.tensor(batch.slots, device=device)  # [B]
+        ids, feats, counts = self._catch_up_inputs(batch)  # [B, T], [B, T, H], B counts
+        self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
+                                                device=device))
+        for slot, n in zip(batch.slots, counts):
+            self.fed[slot] += n
+        counts = torch.tensor(counts, device=device)  # [B]
+        logits, hidden = self.drafter(ids, feats, self.cache, slots, num_tokens=counts,
+                                      logits_at=(counts - 1)[:, None])  # [B, 1, V'], [B, 1, H]
+        tokens, probs = [], []
+        for step in range(batch.k):
+            tok, q = self._choose(logits, batch)  # [B, 1] target ids, [B, 1, vocab] or None
+            tokens.append(tok)
+            probs.append(q)
+            if step + 1 < batch.k:
+                logits, hidden = self.drafter(tok, hidden, self.cache, slots)
+        draft_probs = torch.cat(probs, dim=1) if self.sample else None  # [B, k, vocab]
+        return Proposal(torch.cat(tokens, dim=1), draft_probs)  # [B, k]
+
+    def _catch_up_inputs(self, batch: DraftBatch) -> tuple[Tensor, Tensor, list[int]]:
+        """Pending pairs per row, right-padded: tokens ``[B, T]``, features ``[B, T, H]``."""
+        rows = []
+        for slot, toks in zip(batch.slots, batch.token_ids):
+            need = len(toks) - 1 - self.fed[slot]  # pairs (f_j, token_{j+1}) not yet fed
+            have = self.pending.get(slot)
+            if have is None or need < 1 or have.shape[0] < need:
+                raise RuntimeError(f"slot {slot}: {need} verified positions to feed but "
+                                   f"{0 if have is None else have.shape[0]} target features "
+                                   f"held; {_WIRING}")
+            rows.append((toks[len(toks) - need:], have[:need]))
+            self.pending[slot] = have[need:]
+        t = max(len(r[0]) for r in rows)
+        hidden = rows[0][1].shape[-1]
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        feats = rows[0][1].new_zeros(len(rows), t, hidden)
+        for row, (toks, f) in enumerate(rows):
+            ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            feats[row, : len(toks)] = f
+        return ids.to(self.ctx.device), feats, [len(r[0]) for r in rows]
+
+    def _choose(self, logits: Tensor, batch: DraftBatch) -> tuple[Tensor, Tensor | None]:
+        """Target-id drafts ``[B, n]`` and, when sampling, their distribution ``[B, n, vocab]``."""
+        if not self.sample:
+            return self.drafter.to_target_ids(logits.argmax(dim=-1)), None
+        temperature = batch.temperature if batch.temperature is not None else 0.0
+        q = logits_to_probs(logits, temperature, batch.top_k, batch.top_p)  # [B, n, V']
+        tok = sample_from_probs(q, batch.generator)
+        return self.drafter.to_target_ids(tok), self.drafter.to_target_probs(q)
+
+
+@register("eagle")
+class EagleProposer(EagleChainProposer):
+    """EAGLE-1: features = the target's last hidden state after the final norm."""
+
+    def load_drafter(self, spec: SpeculativeConfig, ctx: ProposerContext) -> EagleDrafter:
+        drafter = EagleDrafter.from_pretrained(spec.model, dtype=ctx.dtype, device=ctx.device)
+        drafter.attach_target(ctx.target)  # checks hidden size and vocabulary against the target
+        return drafter
+
+    def target_features(self, target_output: Any) -> Tensor:
+        return target_output.hidden  # [B, T, H]

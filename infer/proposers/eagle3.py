@@ -1,0 +1,62 @@
+"""EAGLE-3 chain proposer (``method: eagle3``): the shared EAGLE chain drafting of
+:mod:`infer.proposers.eagle` over the speculators EAGLE-3 head of :mod:`infer.drafters.eagle3`.
+
+Features are the target's aux residual streams ``eagle_aux_hidden_state_layer_ids`` (sorted;
+missing in the config -> :func:`default_aux_layer_ids` of the target, as vLLM does), concatenated
+and projected by the head's ``fc`` once when they arrive. Drafts are in the head's reduced
+vocabulary and mapped to target ids through ``d2t``; draft probabilities are scattered into the
+full target vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from infer.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
+from infer.proposers.base import ProposerContext, register
+from infer.proposers.eagle import EagleChainProposer
+from infer.spec_config import SpeculativeConfig
+from infer.validation import config_error
+
+
+@register("eagle3")
+class Eagle3Proposer(EagleChainProposer):
+    def load_drafter(self, spec: SpeculativeConfig, ctx: ProposerContext) -> Eagle3Drafter:
+        drafter = Eagle3Drafter.from_pretrained(spec.model, dtype=ctx.dtype, device=ctx.device)
+        cfg, target = drafter.config, ctx.target_config
+        where = f"eagle3 drafter {spec.model}"
+        n = target.num_layers
+        if cfg.eagle_aux_hidden_state_layer_ids is None:
+            cfg.eagle_aux_hidden_state_layer_ids = default_aux_layer_ids(n)
+        bad = [k for k in cfg.eagle_aux_hidden_state_layer_ids if not 0 <= k <= n]
+        if bad:
+            raise config_error("eagle_aux_hidden_state_layer_ids",
+                               cfg.eagle_aux_hidden_state_layer_ids,
+                               f"ids in [0, {n}] for this {n}-layer target", where)
+        if cfg.vocab_size != ctx.vocab_size:
+            raise config_error("transformer_layer_config.vocab_size", cfg.vocab_size,
+                               f"the target's vocab_size ({ctx.vocab_size})", where)
+        if cfg.target_hidden != target.hidden_size:
+            raise config_error("target_hidden_size", cfg.target_hidden,
+                               f"the target's hidden_size ({target.hidden_size})", where)
+        if drafter.embed_tokens is None:  # no embed_tokens.weight: share the target's
+            if drafter.layer_config.hidden_size != target.hidden_size:
+                raise ValueError(f"{where}: has no embed_tokens.weight and its hidden_size "
+                                 f"{drafter.layer_config.hidden_size} differs from the target's "
+                                 f"{target.hidden_size}, so the target's embedding cannot be "
+                                 "shared")
+            drafter.share_embedding(ctx.target.embed_tokens)
+        self.aux_layer_ids = drafter.aux_layer_ids  # the engine requests these, sorted
+        return drafter
+
+    def target_features(self, target_output: Any) -> Tensor:
+        aux = tuple(target_output.aux)
+        if len(aux) != len(self.aux_layer_ids):
+            raise RuntimeError(f"eagle3 needs the target's aux hidden states {self.aux_layer_ids} "
+                               f"but the target output carries {len(aux)}; the engine must pass "
+                               "aux_layer_ids=proposer.aux_layer_ids to the prefill and verify "
+                               "forwards")
+        return torch.cat(aux, dim=-1)  # [B, T, n_aux * H_t], sorted id order
