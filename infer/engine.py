@@ -67,6 +67,8 @@ class LLM:
         self.eos_ids = frozenset(cfg.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.proposer = self._make_proposer(dtype_)
+        # target residual streams the proposer reads (EAGLE heads); none for the others
+        self._aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
         self.metrics = SpecMetrics()
         self._running: list[Request] = []
 
@@ -81,6 +83,10 @@ class LLM:
         bar.update(len(requests) - len(waiting))
         while waiting or self._running:
             waiting = self._admit(waiting)
+            done = self._retire()  # finished at their first token: never stepped
+            bar.update(done)
+            if done and waiting:
+                continue  # their slots are free again: admit more before stepping
             if self._running:
                 self.speculative_step()
             bar.update(self._retire())
@@ -107,7 +113,8 @@ class LLM:
         num_drafted = (draft_ids >= 0).sum(dim=1)  # [B]
         pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
         inputs = torch.cat([pending[:, None], draft_ids.clamp_min(0)], dim=1)  # [B, k + 1]
-        out = self.target(inputs, self.cache, slots, num_tokens=1 + num_drafted)
+        out = self.target(inputs, self.cache, slots, num_tokens=1 + num_drafted,
+                          aux_layer_ids=self._aux_ids)
         logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
         tokens = rejection_sample(
             logits, draft_ids, proposal.draft_probs, temperature=temperature,
@@ -150,17 +157,20 @@ class LLM:
         return proposal
 
     def _suppress_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """min_tokens: EOS gets -inf at output positions before a request's min_tokens."""
+        """min_tokens: a request's stop tokens (EOS unless ignore_eos, and its stop_token_ids, as
+        in vLLM) get -inf at output positions before its min_tokens."""
         need = [r.params.min_tokens - r.num_output for r in reqs]
-        if not self.eos_ids or max(need) <= 0:
+        if max(need) <= 0:
             return logits
+        vocab = logits.shape[-1]
+        stops = torch.zeros(len(reqs), vocab, dtype=torch.bool)  # [B, vocab]
+        for row, r in enumerate(reqs):
+            ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
+            stops[row, [t for t in ids if t < vocab]] = True
         positions = torch.arange(logits.shape[1], device=logits.device)  # [k + 1]
-        block = positions[None, :] < torch.tensor(need, device=logits.device)[:, None]  # [B, k+1]
-        eos = torch.tensor(sorted(self.eos_ids), device=logits.device)
-        logits = logits.clone()
-        masked = logits[:, :, eos]  # [B, k + 1, n_eos]
-        logits[:, :, eos] = masked.masked_fill(block[..., None], float("-inf"))
-        return logits
+        early = positions[None, :] < torch.tensor(need, device=logits.device)[:, None]  # [B, k+1]
+        block = early[:, :, None] & stops.to(logits.device)[:, None, :]  # [B, k + 1, vocab]
+        return logits.masked_fill(block, float("-inf"))
 
     # ---- scheduling ------------------------------------------------------------------------------
 
@@ -184,7 +194,8 @@ class LLM:
             ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
         lens_t = torch.tensor(lens, device=self.device)
         out = self.target(ids.to(self.device), self.cache, slots, num_tokens=lens_t,
-                          logits_at=(lens_t - 1)[:, None])  # logits [B, 1, vocab]
+                          logits_at=(lens_t - 1)[:, None],
+                          aux_layer_ids=self._aux_ids)  # logits [B, 1, vocab]
         temperature, top_k, top_p = self._sampling_tensors(reqs)
         logits = self._suppress_early_eos(out.logits, reqs)
         empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
@@ -195,6 +206,8 @@ class LLM:
             if self.proposer is not None:
                 self.proposer.start(req.slot, req.prompt_ids)
             self._running.append(req)
+        if self.proposer is not None:
+            self.proposer.prefilled([r.slot for r in reqs], lens, out)
 
     def _retire(self) -> int:
         """Free the slots of finished requests; returns how many finished."""
@@ -245,7 +258,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text but the model directory has no "
                                  "tokenizer; pass token ids or tokenizer=PATH")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(prompt)["input_ids"]  # with BOS where the tokenizer adds one
             text = prompt
         else:
             ids, text = list(prompt), None

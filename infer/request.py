@@ -82,8 +82,8 @@ class Request:
         p = self.params
         for i, tok in enumerate(new):
             self.tokens.append(tok)
-            stop = tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids
-                                               and self.num_output >= p.min_tokens)
+            stop = self.num_output >= p.min_tokens and (
+                tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids))
             if stop:
                 self.finish_reason = "stop"
             elif self.num_output >= p.max_tokens or len(self.tokens) >= max_model_len:

@@ -18,6 +18,8 @@ returned for the acceptance test.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from infer.kv_cache import KVCache
@@ -54,6 +56,32 @@ class DraftModelProposer(Proposer):
         self.fed[slot] = 0
 
     def propose(self, batch: DraftBatch) -> Proposal:
+        # a row whose drafts would reach past the draft's max_model_len drafts nothing (as vLLM)
+        fits = [len(t) + batch.k - 1 <= self.max_len for t in batch.token_ids]
+        if all(fits):
+            return self._propose_rows(batch)
+        rows = [i for i, ok in enumerate(fits) if ok]
+        draft_ids = torch.full((len(fits), batch.k), -1, dtype=torch.long, device=self.ctx.device)
+        if not rows:
+            return Proposal(draft_ids)
+        index = torch.tensor(rows, device=self.ctx.device)
+
+        def pick(t):
+            return t[index] if isinstance(t, torch.Tensor) and t.ndim else t
+
+        sub = replace(batch, slots=[batch.slots[i] for i in rows],
+                      token_ids=[batch.token_ids[i] for i in rows],
+                      temperature=pick(batch.temperature), top_k=pick(batch.top_k),
+                      top_p=pick(batch.top_p))
+        proposal = self._propose_rows(sub)
+        draft_ids[index] = proposal.draft_ids
+        probs = None
+        if proposal.draft_probs is not None:  # rows without drafts never read theirs
+            probs = proposal.draft_probs.new_zeros(len(fits), *proposal.draft_probs.shape[1:])
+            probs[index] = proposal.draft_probs
+        return Proposal(draft_ids, probs)
+
+    def _propose_rows(self, batch: DraftBatch) -> Proposal:
         slots = torch.tensor(batch.slots, device=self.ctx.device)  # [B]
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))

@@ -1,0 +1,160 @@
+"""Bad input to the engine gives clear errors (what was wrong, the value, what is allowed)."""
+
+import re
+import shutil
+
+import pytest
+
+from infer.engine import LLM
+from infer.proposers.base import _REGISTRY, get_proposer_class
+from infer.sampling import SamplingParams
+from infer.spec_config import METHODS
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def greedy(max_tokens=8, **kwargs):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def served_methods():
+    get_proposer_class("draft_model")  # imports the built-in proposers
+    return sorted(_REGISTRY)
+
+
+def test_empty_prompt(tiny_target):
+    llm = LLM(tiny_target, dtype="float32")
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        llm.generate([[1, 2], []], greedy())
+    with pytest.raises(ValueError, match="no prompts"):
+        llm.generate([], greedy())
+    assert len(llm.generate([[1, 2]], greedy())[0].token_ids) == 8  # still usable
+
+
+def test_bad_token_ids(tiny_target):
+    llm = LLM(tiny_target, dtype="float32")
+    with pytest.raises(ValueError, match=re.escape("outside [0, 96)")):
+        llm.generate([[1, 96]], greedy())
+    with pytest.raises(ValueError, match=re.escape("outside [0, 96)")):
+        llm.generate([[-1, 2]], greedy())
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"tokens": [1, 2]}], greedy())
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prompt_too_long_fails_alone(tiny_target, twin_draft, speculative):
+    """The long prompt gets finish_reason "error" and a message; the others still complete."""
+    spec = ({"method": "draft_model", "model": twin_draft, "num_speculative_tokens": 3}
+            if speculative else None)
+    llm = LLM(tiny_target, speculative_config=spec, dtype="float32", max_model_len=16,
+              max_num_seqs=2)
+    prompts = [list(range(16)), [1, 2, 3], list(range(30)), list(range(40, 55)), [4, 5]]
+    outs = llm.generate(prompts, greedy())
+    for i, n in ((0, 16), (2, 30)):
+        assert outs[i].finish_reason == "error"
+        assert outs[i].token_ids == []
+        assert f"{n} tokens" in outs[i].error and "max_model_len is 16" in outs[i].error
+    good = [outs[1], outs[3], outs[4]]
+    assert [o.finish_reason for o in good] == ["length"] * 3
+    assert all(o.error is None for o in good)
+    assert [len(o.token_ids) for o in good] == [8, 1, 8]  # 15-token prompt: 1 token fits
+    alone = LLM(tiny_target, dtype="float32").generate([[1, 2, 3], [4, 5]], greedy())
+    assert [outs[1].token_ids, outs[4].token_ids] == [o.token_ids for o in alone]
+
+
+def test_unknown_method_lists_served_methods(tiny_target, tiny_draft):
+    with pytest.raises(ValueError) as err:
+        LLM(tiny_target, speculative_config={"method": "foo", "num_speculative_tokens": 2})
+    msg = str(err.value)
+    assert "'method'" in msg and "'foo'" in msg and "ngram" in msg and "draft_model" in msg
+    # a method of vLLM's schema that this engine does not serve
+    unserved = [m for m in METHODS if m not in served_methods() and m not in ("ngram", "suffix")]
+    if not unserved:
+        pytest.skip("every schema method is served")
+    with pytest.raises(ValueError) as err:
+        LLM(tiny_target, speculative_config={"method": unserved[0], "model": tiny_draft,
+                                             "num_speculative_tokens": 2})
+    msg = str(err.value)
+    assert repr(unserved[0]) in msg and "serves" in msg
+    for name in served_methods():
+        assert name in msg
+
+
+def test_missing_model_directory(tiny_target, tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        LLM(missing)
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        LLM(tiny_target, speculative_config={"method": "draft_model", "model": missing,
+                                             "num_speculative_tokens": 2})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(empty))):
+        LLM(str(empty))
+
+
+def test_draft_with_other_vocabulary(tiny_target, make_tiny_llama):
+    draft = make_tiny_llama("vocab64", vocab=64, hidden=16, layers=1, heads=2, kv_heads=1)
+    with pytest.raises(ValueError) as err:
+        LLM(tiny_target, speculative_config={"method": "draft_model", "model": draft,
+                                             "num_speculative_tokens": 2})
+    msg = str(err.value)
+    assert "vocab_size" in msg and "64" in msg and "96" in msg and draft in msg
+
+
+def test_tensor_parallel_size(tiny_target):
+    with pytest.raises(ValueError) as err:
+        LLM(tiny_target, tensor_parallel_size=2)
+    assert "'tensor_parallel_size'" in str(err.value) and ": 2;" in str(err.value)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tiny_target, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                             "tensor_parallel_size": 2})
+
+
+def test_pard_without_mask_token(tiny_target, tiny_draft):
+    with pytest.raises(ValueError) as err:
+        LLM(tiny_target, speculative_config={"method": "draft_model", "model": tiny_draft,
+                                             "num_speculative_tokens": 2,
+                                             "parallel_drafting": True})
+    msg = str(err.value)
+    assert "pard_token" in msg and "config.json" in msg and tiny_draft in msg
+
+
+def test_text_prompt_without_tokenizer(tiny_target):
+    llm = LLM(tiny_target, dtype="float32")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("def f():", greedy())
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate([[1, 2], {"prompt": "x = 1"}], greedy())
+
+
+def test_text_prompt_with_tokenizer(tiny_target, tmp_path):
+    """A word-level tokenizer saved beside the weights: text in, text out."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = tmp_path / "with_tokenizer"
+    shutil.copytree(tiny_target, model_dir)
+    vocab = {f"w{i}": i for i in range(95)} | {"<eos>": 95}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(model_dir)
+    llm = LLM(str(model_dir), dtype="float32")
+    assert 95 in llm.eos_ids  # the tokenizer's EOS stops generation too
+    text, ids = llm.generate(["w1 w2 w3", [1, 2, 3]], greedy(ignore_eos=True))
+    assert text.prompt == "w1 w2 w3" and text.prompt_token_ids == [1, 2, 3]
+    assert text.token_ids == ids.token_ids
+    assert text.text.split() == [f"w{t}" for t in text.token_ids if t != 95]
+
+
+def test_bad_engine_arguments(tiny_target):
+    with pytest.raises(ValueError, match="'max_num_seqs'"):
+        LLM(tiny_target, max_num_seqs=0)
+    with pytest.raises(ValueError, match="'max_model_len'.*256"):
+        LLM(tiny_target, max_model_len=1000)
+    with pytest.raises(ValueError, match="'dtype'"):
+        LLM(tiny_target, dtype="fp8")
+    llm = LLM(tiny_target, dtype="float32")
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate([[1]], [greedy(), greedy()])
