@@ -1,0 +1,505 @@
+"""Build, cache and validate the embedded default target and its small draft LM.
+
+``ensure_tiny_target()`` returns the cached target directory, building it only when it is missing,
+corrupt or was built with other settings; ``ensure_tiny_draft()`` does the same for the draft LM
+(same tokenizer, same data, smaller and shorter). Both are normal Hugging Face model directories::
+
+    config.json  model.safetensors  generation_config.json      LlamaForCausalLM, fp32
+    tokenizer.json  tokenizer_config.json                       chat template, eos <|end|>
+    draftsmith_meta.json                                        split, seed, tokens, loss ...
+
+A build trains the byte-level BPE tokenizer on the train split, packs raw code and chat-formatted
+prefix -> continuation examples into fixed-length rows, and trains each LM for a fixed number of
+steps (AdamW, warmup + cosine) in a seeded order, so it is deterministic on a given machine; a
+wall-clock cap only stops a build on a machine far slower than planned, and the meta says so.
+Outputs are written to a temporary directory beside the destination and moved into place with
+``os.replace``: an interrupted build never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from filelock import FileLock
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerBase)
+
+from train.tiny_target import (DOC_TOKEN, EOS_TOKEN, TinyData, capped_corpus,
+                               default_target_dir, paired_draft_dir, prepare_data, read_texts,
+                               stdlib_root, train_tokenizer)
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_FILE = "draftsmith_meta.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES,
+                  META_FILE)
+MAX_POSITIONS = 2048
+
+
+@dataclass(frozen=True)
+class TinyLMSpec:
+    """Dimensions and training budget of one tiny Llama LM (RoPE, RMSNorm, SwiGLU, GQA)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # fewer than num_heads: grouped-query attention
+    intermediate_size: int  # SwiGLU width
+    steps: int  # the budget that makes a build deterministic
+    batch_size: int = 4  # rows of seq_len tokens; smaller batches learn more per token here
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    max_seconds: float = 600.0  # safety cap for a machine far slower than planned
+
+
+# Tuned on 2 shared CPU cores (AMD EPYC) with one torch thread: ~0.37 s/step for the target,
+# ~0.13 s/step for the draft, ~7 min for the whole build. Sweeps of 200 x 8-row steps on the
+# target: lr 3e-3 beat 1.5e-3 and 6e-3; 4-row batches beat 8-row ones at equal tokens (held-out
+# 4.44 vs 4.61) and 2-row ones at lr 2e-3 (4.46, slower).
+TARGET_SPEC = TinyLMSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                         intermediate_size=704, steps=900, max_seconds=400.0)
+DRAFT_SPEC = TinyLMSpec(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                        intermediate_size=384, steps=600, max_seconds=100.0)
+
+
+@dataclass(frozen=True)
+class TinyBuildConfig:
+    """Everything that determines a build. Recorded in the meta; a cached build whose recorded
+    config differs from the requested one is rebuilt."""
+
+    seed: int = 0
+    corpus_root: str | None = None  # None: the running interpreter's standard library
+    heldout_fraction: float = 0.1
+    max_files: int | None = None  # cap on train files (held-out files scaled alike); None: all
+    vocab_size: int = 4096
+    seq_len: int = 256  # training context; the model itself takes MAX_POSITIONS
+    chat_fraction: float = 0.35  # share of training characters in chat-template form
+    eval_rows: int = 128  # fixed held-out sample: rows of seq_len tokens
+    sample_tokens: int = 64  # length of the greedy sample recorded in the meta
+    target: TinyLMSpec = TARGET_SPEC
+    draft: TinyLMSpec = DRAFT_SPEC
+
+
+def _resolve(config: TinyBuildConfig | None, overrides: dict) -> TinyBuildConfig:
+    return dataclasses.replace(config or TinyBuildConfig(), **overrides)
+
+
+def _fingerprint(cfg: TinyBuildConfig, kind: str) -> dict:
+    """The part of ``cfg`` a ``kind`` build depends on, as it reads back from JSON."""
+    d = dataclasses.asdict(cfg)
+    d.pop("draft" if kind == "target" else "target")
+    return json.loads(json.dumps(d))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def corpus_split(cfg: TinyBuildConfig) -> tuple[Path, list[str], list[str]]:
+    """Root and (train, held-out) relative files of a build."""
+    root = Path(cfg.corpus_root) if cfg.corpus_root else stdlib_root()
+    return (root, *capped_corpus(root, cfg.seed, cfg.heldout_fraction, cfg.max_files))
+
+
+def _data_args(cfg: TinyBuildConfig) -> dict:
+    return {"seed": cfg.seed, "chat_fraction": cfg.chat_fraction, "seq_len": cfg.seq_len,
+            "eval_rows": cfg.eval_rows}
+
+
+# ----------------------------------------------------------------------------- model, training
+
+def make_model(spec: TinyLMSpec, tokenizer: PreTrainedTokenizerBase,
+               seed: int) -> LlamaForCausalLM:
+    """A freshly initialised (seeded) tiny Llama with draftsmith's special-token ids."""
+    end_id, doc_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, DOC_TOKEN])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads, hidden_act="silu",
+        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=end_id, pad_token_id=doc_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Unit-scale input embeddings (the first RMSNorm rescales them anyway). With the default 0.02,
+    # the first attention layer's output, an average over earlier tokens, swamps the current
+    # token's identity and training sits on a plateau: measured on the default target, 200 steps
+    # of 8 rows reach a held-out loss of 4.61 with this init and 5.58-5.62 without it (lr 2e-3 to
+    # 5e-3); scaling the residual output projections by 1/sqrt(2 * layers) did not help.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[end_id, doc_id], pad_token_id=doc_id, bos_token_id=None)
+    return model
+
+
+def _schedule(spec: TinyLMSpec):
+    def factor(step: int) -> float:  # linear warmup, cosine down to 10% of the peak
+        if step < spec.warmup_steps:
+            return (step + 1) / spec.warmup_steps
+        t = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t)))
+    return factor
+
+
+def train_lm(model: LlamaForCausalLM, rows: torch.Tensor, spec: TinyLMSpec, seed: int, *,
+             progress: bool = True, desc: str = "train") -> dict:
+    """Next-token training on packed ``rows`` [n, seq_len] for ``spec.steps`` steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(spec))
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.long)
+    losses: list[float] = []
+    tokens, ema, stopped_early = 0, None, False
+    model.train()
+    start = time.monotonic()
+    bar = tqdm(total=spec.steps, desc=desc, disable=not progress, mininterval=2.0,
+               dynamic_ncols=True)
+    for step in range(spec.steps):
+        if time.monotonic() - start > spec.max_seconds:
+            stopped_early = True
+            break
+        while len(order) < spec.batch_size:  # epochs of seeded permutations
+            order = torch.cat([order, torch.randperm(len(rows), generator=gen)])
+        batch, order = rows[order[:spec.batch_size]], order[spec.batch_size:]  # [B, T]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        tokens += batch.numel()
+        ema = losses[-1] if ema is None else 0.95 * ema + 0.05 * losses[-1]
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}",
+                        tok_s=f"{tokens / max(1e-9, time.monotonic() - start):.0f}",
+                        refresh=False)
+    bar.close()
+    if stopped_early:
+        log.warning("%s: time cap of %.0f s reached after %d of %d steps; this build is not "
+                    "the deterministic one", desc, spec.max_seconds, len(losses), spec.steps)
+    model.eval()
+    every = max(1, len(losses) // 50)
+    curve = [[i + every, round(sum(losses[i:i + every]) / len(losses[i:i + every]), 4)]
+             for i in range(0, len(losses), every)]
+    return {"steps": len(losses), "planned_steps": spec.steps, "batch_size": spec.batch_size,
+            "seq_len": rows.shape[1], "lr": spec.lr, "warmup_steps": spec.warmup_steps,
+            "tokens_seen": tokens, "seconds": round(time.monotonic() - start, 2),
+            "num_threads": torch.get_num_threads(),
+            "stopped_early": stopped_early, "loss_curve": curve}
+
+
+@torch.no_grad()
+def heldout_loss(model: LlamaForCausalLM, rows: torch.Tensor, batch_size: int = 16) -> float:
+    """Mean next-token cross-entropy (nats) over ``rows`` [n, seq_len]."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in rows.split(batch_size):
+        logits = model(input_ids=batch).logits[:, :-1]  # [b, T-1, vocab]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                 batch[:, 1:].reshape(-1), reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+def _utf8_bytes(tokenizer: PreTrainedTokenizerBase, rows: torch.Tensor) -> int:
+    return sum(len(tokenizer.decode(row).encode("utf-8")) for row in rows.tolist())
+
+
+@torch.no_grad()
+def greedy_continuation(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
+                        prompt: str, max_new_tokens: int) -> str:
+    ids = tokenizer(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+# ----------------------------------------------------------------------------- saving, checking
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json with the chat template inline (older transformers
+    and vLLM read it there; they also know ``PreTrainedTokenizerFast`` by that name)."""
+    tokenizer.model_max_length = MAX_POSITIONS
+    tokenizer.save_pretrained(out, save_jinja_files=False)
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if "extra_special_tokens" in cfg and "additional_special_tokens" not in cfg:
+        cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens")
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _write_atomically(dest: Path, fill) -> None:
+    """Run ``fill(tmp_dir)`` in a fresh directory beside ``dest``, then move it to ``dest``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        fill(tmp)
+        for f in tmp.iterdir():  # mkdtemp makes 0700; a cache is shared like any download
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if dest.exists() or dest.is_symlink():  # rename() does not replace a non-empty dir
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_tiny_build(path: str | os.PathLike, kind: str = "target",
+                     config: TinyBuildConfig | None = None, *,
+                     target_dir: str | os.PathLike | None = None) -> str | None:
+    """Why the ``kind`` ("target" / "draft") build at ``path`` cannot be used; None if it can.
+
+    Checks the files, the meta's format version, kind and (with ``config``) build settings, that
+    the weights and tokenizer load, and for a draft that it shares ``target_dir``'s tokenizer.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return "missing"
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable json: {e}"
+    if meta.get("format_version") != FORMAT_VERSION:
+        return f"format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
+    if meta.get("kind") != kind:
+        return f"kind {meta.get('kind')!r}, expected {kind!r}"
+    if config is not None and meta.get("build_config") != _fingerprint(config, kind):
+        return "built with other settings"
+    try:
+        if not load_file(path / "model.safetensors"):
+            return "model.safetensors holds no tensors"
+        Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - any failure to load means rebuild
+        return f"does not load: {type(e).__name__}: {e}"
+    sha = _sha256(path / "tokenizer.json")
+    if meta.get("tokenizer", {}).get("sha256") != sha:
+        return "tokenizer.json differs from the one recorded in the meta"
+    if target_dir is not None and (Path(target_dir) / "tokenizer.json").is_file() \
+            and _sha256(Path(target_dir) / "tokenizer.json") != sha:
+        return "tokenizer differs from the target's"
+    return None
+
+
+def load_meta(path: str | os.PathLike) -> dict:
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+# ----------------------------------------------------------------------------- building
+
+def default_num_threads() -> int:
+    """Half the cores this process may use (at least one), fixed per machine, not per load.
+
+    The other half is left to whatever else runs (tests, other builds): on 2 busy cores, two
+    OpenMP threads preempted in turn spin-waited on each other and a target step took 0.8-1.8 s,
+    against a steady ~0.4 s with one thread (0.25 s with two on an idle machine).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // 2)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(n if n is not None else default_num_threads())))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _build_one(kind: str, dest: Path, spec: TinyLMSpec, cfg: TinyBuildConfig,
+               tokenizer: PreTrainedTokenizerBase, data: TinyData, *, progress: bool,
+               tokenizer_from: Path | None = None) -> dict:
+    """Train one LM on ``data`` and write it to ``dest``; returns its meta."""
+    t0 = time.monotonic()
+    model = make_model(spec, tokenizer, cfg.seed)
+    stats = train_lm(model, data.train_rows, spec, cfg.seed,
+                     progress=progress, desc=f"tiny {kind}")
+    loss = heldout_loss(model, data.eval_rows)
+    sample = greedy_continuation(model, tokenizer, data.sample_prompt, cfg.sample_tokens)
+    chat_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": data.sample_prompt.rstrip("\n")}], tokenize=False,
+        add_generation_prompt=True)
+    chat_sample = greedy_continuation(model, tokenizer, chat_prompt, cfg.sample_tokens)
+    mc = model.config
+    meta = {
+        "format_version": FORMAT_VERSION, "kind": kind, "seed": cfg.seed,
+        "build_config": _fingerprint(cfg, kind),
+        "corpus": {"root": str(data.root), "python": platform.python_version(),
+                   "heldout_fraction": cfg.heldout_fraction, "train_files": data.train_files,
+                   "heldout_files": data.heldout_files, "train_rows": len(data.train_rows)},
+        "model": {"architecture": "LlamaForCausalLM", "hidden_size": mc.hidden_size,
+                  "num_hidden_layers": mc.num_hidden_layers,
+                  "num_attention_heads": mc.num_attention_heads,
+                  "num_key_value_heads": mc.num_key_value_heads,
+                  "intermediate_size": mc.intermediate_size, "vocab_size": mc.vocab_size,
+                  "max_position_embeddings": mc.max_position_embeddings,
+                  "num_parameters": sum(p.numel() for p in model.parameters())},
+        "tokenizer": {"vocab_size": len(tokenizer), "eos_token": EOS_TOKEN,
+                      "pad_token": DOC_TOKEN},
+        "training": stats, "tokens_seen": stats["tokens_seen"],
+        "heldout_loss": round(loss, 5), "heldout_tokens": data.eval_rows[:, 1:].numel(),
+        # tokenizer-independent: the same total loss per UTF-8 byte of the predicted text, in bits
+        "heldout_bits_per_byte": round(loss * data.eval_rows[:, 1:].numel() / math.log(2)
+                                       / _utf8_bytes(tokenizer, data.eval_rows[:, 1:]), 5),
+        "sample": {"prompt": data.sample_prompt, "completion": sample},
+        "chat_sample": {"prompt": chat_prompt, "completion": chat_sample},
+        "data_prep_seconds": round(data.seconds, 2),
+        "build_seconds": round(time.monotonic() - t0 + (data.seconds if kind == "target" else 0),
+                               2),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors
+        if tokenizer_from is None:
+            _save_tokenizer(tokenizer, tmp)
+        else:  # byte-identical to the target's
+            for name in TOKENIZER_FILES:
+                shutil.copy2(tokenizer_from / name, tmp / name)
+        meta["tokenizer"]["sha256"] = _sha256(tmp / "tokenizer.json")
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+    _write_atomically(dest, fill)
+    log.info("tiny %s: held-out loss %.4f after %d steps (%d tokens) -> %s", kind, loss,
+             stats["steps"], stats["tokens_seen"], dest)
+    return meta
+
+
+def build_tiny_target(out_dir: str | os.PathLike | None = None, *,
+                      draft_dir: str | os.PathLike | None = None, with_draft: bool = True,
+                      config: TinyBuildConfig | None = None, progress: bool = True,
+                      num_threads: int | None = None, **overrides) -> Path:
+    """Build the tiny target (and, with ``with_draft``, the draft LM) from scratch.
+
+    ``overrides`` replace fields of ``config`` (e.g. ``seed=1, max_files=10``). Does not lock the
+    destination; ``ensure_tiny_target`` does. Returns the target directory.
+    """
+    cfg = _resolve(config, overrides)
+    target = Path(out_dir) if out_dir is not None else default_target_dir()
+    with _torch_threads(num_threads):
+        t0 = time.monotonic()
+        root, train_files, held_files = corpus_split(cfg)
+        train_texts = read_texts(root, train_files)
+        tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
+        data = prepare_data(tokenizer, root, train_files, held_files, train_texts=train_texts,
+                            **_data_args(cfg))
+        data.seconds = time.monotonic() - t0  # tokenizer training included
+        _build_one("target", target, cfg.target, cfg, tokenizer, data, progress=progress)
+        if with_draft:
+            draft = Path(draft_dir) if draft_dir is not None else paired_draft_dir(target)
+            _build_one("draft", draft, cfg.draft, cfg, tokenizer, data, progress=progress,
+                       tokenizer_from=target)
+    return target
+
+
+def build_tiny_draft(out_dir: str | os.PathLike | None = None, *,
+                     target_dir: str | os.PathLike | None = None,
+                     config: TinyBuildConfig | None = None, progress: bool = True,
+                     num_threads: int | None = None, **overrides) -> Path:
+    """Build the draft LM alone, with the tokenizer and file split of an existing target."""
+    cfg = _resolve(config, overrides)
+    target = Path(target_dir) if target_dir is not None else default_target_dir()
+    draft = Path(out_dir) if out_dir is not None else paired_draft_dir(target)
+    corpus = load_meta(target)["corpus"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    with _torch_threads(num_threads):
+        data = prepare_data(tokenizer, Path(corpus["root"]), corpus["train_files"],
+                            corpus["heldout_files"], **_data_args(cfg))
+        _build_one("draft", draft, cfg.draft, cfg, tokenizer, data, progress=progress,
+                   tokenizer_from=target)
+    return draft
+
+
+@contextlib.contextmanager
+def _locked(dest: Path):
+    """Serialise builders of ``dest`` across processes; clears leftovers of killed builds."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest.parent / f".{dest.name}.lock")):
+        for stale in [*dest.parent.glob(f".{dest.name}.tmp-*"),
+                      *dest.parent.glob(f".{dest.name}.old-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+        yield
+
+
+def ensure_tiny_target(out_dir: str | os.PathLike | None = None, *, with_draft: bool = True,
+                       draft_dir: str | os.PathLike | None = None, force: bool = False,
+                       config: TinyBuildConfig | None = None, progress: bool = True,
+                       num_threads: int | None = None, **overrides) -> Path:
+    """The cached tiny target directory, built first if missing, corrupt or built otherwise.
+
+    With ``with_draft`` (the default) the draft LM at ``draft_dir`` is ensured too, so callers may
+    rely on ``paired_draft_dir(target)``. ``force`` rebuilds regardless. ``num_threads``: torch
+    threads while building (default ``default_num_threads()``). Default locations:
+    ``<cache>/tiny-target`` and ``<cache>/tiny-draft`` (see ``default_cache_dir``).
+    """
+    cfg = _resolve(config, overrides)
+    target = Path(out_dir) if out_dir is not None else default_target_dir()
+    draft = Path(draft_dir) if draft_dir is not None else paired_draft_dir(target)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_locked(target))  # always target before draft: no deadlock
+        if with_draft:
+            stack.enter_context(_locked(draft))
+        reason = "forced" if force else check_tiny_build(target, "target", cfg)
+        if reason:
+            log.info("building the tiny target in %s (%s)", target, reason)
+            build_tiny_target(target, draft_dir=draft, with_draft=with_draft, config=cfg,
+                              progress=progress, num_threads=num_threads)
+        elif with_draft:
+            reason = check_tiny_build(draft, "draft", cfg, target_dir=target)
+            if reason:
+                log.info("building the tiny draft in %s (%s)", draft, reason)
+                build_tiny_draft(draft, target_dir=target, config=cfg, progress=progress,
+                                 num_threads=num_threads)
+    return target
+
+
+def ensure_tiny_draft(out_dir: str | os.PathLike | None = None, *,
+                      target_dir: str | os.PathLike | None = None, force: bool = False,
+                      config: TinyBuildConfig | None = None, progress: bool = True,
+                      num_threads: int | None = None, **overrides) -> Path:
+    """The cached draft LM directory (its target ensured first, since they share a tokenizer)."""
+    target = Path(target_dir) if target_dir is not None else default_target_dir()
+    draft = Path(out_dir) if out_dir is not None else paired_draft_dir(target)
+    ensure_tiny_target(target, with_draft=True, draft_dir=draft, force=force, config=config,
+                       progress=progress, num_threads=num_threads, **overrides)
+    return draft
