@@ -1,0 +1,55 @@
+"""Generate with draftsmith's engine: ``python infer.py [key=value ...]`` (conf/infer.yaml).
+
+With no ``model`` it uses the embedded tiny target (built on first use) on held-out code
+prompts, drafting with the tiny draft LM unless ``speculative_config`` says otherwise.
+``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/harness.py).
+"""
+
+import hydra
+from omegaconf import OmegaConf
+
+from infer.config import InferConfig, register_configs
+
+register_configs()
+
+
+def default_model(cfg: InferConfig) -> tuple[str, list | None]:
+    """The embedded default: tiny target, held-out code prompts, tiny draft model (k=3)."""
+    from train.tiny_target_build import ensure_tiny_target
+    from train.tiny_target import default_draft_dir
+
+    from infer.cli import with_default_draft
+
+    target = str(ensure_tiny_target(with_draft=True))
+    draft = str(default_draft_dir())
+    if cfg.speculative_config is None:
+        cfg.speculative_config = {"method": "draft_model", "model": draft,
+                                  "num_speculative_tokens": 3}
+    cfg.eval.methods = with_default_draft(cfg.eval.methods, draft)
+    if cfg.mode == "eval" and cfg.eval.dataset:
+        return target, None
+    from train.data import heldout_prompts
+
+    n = cfg.eval.num_prompts if cfg.mode == "eval" else cfg.num_prompts
+    return target, heldout_prompts(n, seed=cfg.seed)
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="infer")
+def main(dcfg) -> None:
+    from infer.cli import check_mode, eval_prompts, read_prompts, run, run_eval
+
+    cfg: InferConfig = OmegaConf.to_object(dcfg)
+    mode = check_mode(cfg)
+    model, prompts = (cfg.model, None) if cfg.model else default_model(cfg)
+    if mode == "eval":
+        run_eval(cfg, model, eval_prompts(cfg, model, prompts))
+        return
+    if cfg.prompts_file:
+        prompts = read_prompts(cfg.prompts_file)
+    if prompts is None:
+        raise SystemExit("infer.py: give prompts_file=... (text lines or jsonl) with model=...")
+    run(cfg, model, prompts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""What ``python infer.py`` does once Hydra has composed its config: read prompts, generate,
+print outputs and a metrics table, write results as jsonl (atomically); with ``mode=eval`` run
+the acceptance harness over the ``eval`` matrix (``run_eval``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from infer.config import InferConfig
+from infer.engine import LLM
+from infer.sampling import SamplingParams
+from infer.validation import config_error
+
+MODES = ("generate", "eval")
+
+
+def check_mode(cfg: InferConfig) -> str:
+    if cfg.mode not in MODES:
+        raise config_error("mode", cfg.mode, f"one of {', '.join(MODES)}", "infer.py")
+    return cfg.mode
+
+
+def read_prompts(path: str) -> list[Any]:
+    """Text lines (one prompt each) or jsonl with ``prompt`` or ``prompt_token_ids``."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompts_file={path!r} does not exist")
+    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+    if p.suffix not in (".jsonl", ".json"):
+        return [ln.replace("\\n", "\n") for ln in lines]
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or not ({"prompt", "prompt_token_ids"} & obj.keys()):
+            raise ValueError(f"{path}:{n}: expected an object with 'prompt' or "
+                             "'prompt_token_ids'")
+        prompts.append(obj.get("prompt_token_ids", obj.get("prompt")))
+    return prompts
+
+
+def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
+    """Write to a temp file beside ``path`` and rename, so readers never see half a file."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+    with os.fdopen(fd, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, dest)
+
+
+def metrics_table(metrics: dict, tok_s: float, k: int) -> str:
+    rates = " ".join(f"{r:.2f}" for r in metrics["per_position_rates"]) or "-"
+    rows = [("tokens/s", f"{tok_s:.1f}"), ("k", str(k)),
+            ("drafts", str(metrics["num_drafts"])),
+            ("draft tokens", str(metrics["num_draft_tokens"])),
+            ("accepted tokens", str(metrics["num_accepted_tokens"])),
+            ("acceptance rate", f"{metrics['acceptance_rate']:.3f}"),
+            ("mean acceptance length", f"{metrics['mean_acceptance_length']:.3f}"),
+            ("per-position rates", rates)]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
+
+
+def run(cfg: InferConfig, model: str, prompts: list[Any]) -> list[dict]:
+    """Generate for ``prompts`` with ``model``; print outputs and metrics; return result rows."""
+    params = SamplingParams.from_dict(cfg.sampling)
+    llm = LLM(model, speculative_config=cfg.speculative_config, dtype=cfg.dtype,
+              device=cfg.device, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+              seed=cfg.seed, tokenizer=cfg.tokenizer)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "text": o.text,
+             "token_ids": o.token_ids, "finish_reason": o.finish_reason, "error": o.error,
+             "metrics": o.metrics} for o in outputs]
+    if cfg.show_outputs:
+        for o in outputs:
+            print(f"=== prompt {o.request_id} ({o.finish_reason}) ===")
+            print((o.prompt or str(o.prompt_token_ids))[-300:], end="")
+            print(" ||| " + (o.text or str(o.token_ids)) if o.error is None else o.error)
+    generated = sum(len(o.token_ids) for o in outputs)
+    spec = llm.spec.to_json() if llm.spec else "none (autoregressive)"
+    print(f"\nspeculative_config: {spec}")
+    print(metrics_table(llm.get_metrics(), generated / max(elapsed, 1e-9), llm.k))
+    if cfg.output:
+        write_jsonl_atomic(cfg.output, rows)
+        print(f"wrote {len(rows)} results to {cfg.output}")
+    return rows
+
+
+# ---- mode=eval ----------------------------------------------------------------------------------
+
+def with_default_draft(methods: list[Any], draft: str) -> list[dict]:
+    """``draft_model`` entries without a ``model`` get ``draft`` (the embedded tiny draft)."""
+    out = []
+    for m in methods:
+        m = dict(m)
+        if m.get("method") == "draft_model" and not m.get("model"):
+            m["model"] = draft
+        out.append(m)
+    return out
+
+
+def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> list[Any]:
+    """``eval.dataset`` (chat template where a record is chat-style), else the prompts the entry
+    point passed (the held-out code prompts: plain strings, each sent as one user message through
+    the chat template unless ``eval.chat=false``). Token-id prompts pass through."""
+    from infer.harness import load_prompts, render_prompt
+
+    ev = cfg.eval
+    tokenizer = None
+    tok_dir = Path(cfg.tokenizer or model)
+    if (tok_dir / "tokenizer.json").exists() or (tok_dir / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    if ev.dataset:
+        return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
+                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat)
+    if default is None:
+        raise SystemExit("infer.py mode=eval: give eval.dataset=... (json/jsonl file, dataset "
+                         "directory or hub id) with model=...")
+    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat)
+            if isinstance(p, str) else p for p in list(default)[: ev.num_prompts]]
+
+
+def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
+    """The acceptance harness over ``cfg.eval``; prints the markdown report, returns it."""
+    from dataclasses import asdict
+
+    from infer.harness import expand_matrix, run_harness
+    from infer.harness_report import render_markdown
+    from infer.tracking import make_logger
+
+    ev = cfg.eval
+    configs = expand_matrix(ev.methods, ev.ks, ev.temperatures, ev.batch_sizes)
+    out = Path(ev.output_dir or Path("outputs/eval") / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    logger = make_logger(ev.logger, rank=int(os.environ.get("RANK", "0")),
+                         project=ev.wandb_project, name=ev.wandb_run_name,
+                         config={**asdict(cfg), "model": model}, dir=out, job_type="eval")
+    try:
+        report = run_harness(model, configs, prompts, max_tokens=ev.max_tokens, output_dir=out,
+                             logger=logger, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                             max_model_len=cfg.max_model_len, ignore_eos=ev.ignore_eos,
+                             warmup=ev.warmup)
+    finally:
+        logger.finish()
+    print(render_markdown(report))
+    print(f"wrote {out / 'results.json'}, results.md and plots")
+    if not report.lossless:
+        print("LOSSLESS CHECK FAILED: see results.md")
+    return report

@@ -1,0 +1,243 @@
+"""The harness report's outputs: results.json, results.md, PNG plots, and W&B logging.
+
+Every file is written to a temporary name in ``output_dir`` and renamed into place, so a reader
+(or a crashed run) never sees half a file. Plots use matplotlib's object API with the Agg canvas
+(no pyplot state, no display needed):
+
+- ``per_position_acceptance.png``: acceptance rate per draft position, one bar series per method
+  (its largest measured k), one panel per (temperature, batch size);
+- ``speedup_vs_k.png``: measured speedup (solid), predicted at the measured k (dashed) and the
+  advisor's predicted curve over every k (dotted), per method and panel;
+- ``acceptance_length_vs_k.png``: mean acceptance length per method and panel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from infer.tracking import Logger
+
+if TYPE_CHECKING:
+    from infer.harness import ConfigResult, HarnessReport
+
+PLOTS = ("per_position_acceptance.png", "speedup_vs_k.png", "acceptance_length_vs_k.png")
+TABLE_COLUMNS = ["method", "k", "temperature", "batch_size", "acceptance_length",
+                 "acceptance_rate", "per_position", "tok_s", "ar_tok_s", "speedup",
+                 "predicted_speedup", "cost_draft", "cost_verify", "draft_coverage", "lossless"]
+
+
+def write_report(report: "HarnessReport", output_dir: str | os.PathLike) -> dict:
+    """results.json, results.md and the plots into ``output_dir``; returns ``report.files``."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report.output_dir = str(out)
+    plots = [name for name, draw in zip(PLOTS, (_plot_per_position, _plot_speedup,
+                                                _plot_acceptance_length))
+             if report.results and _save_figure(draw(report), out / name)]
+    report.files = {"json": "results.json", "markdown": "results.md", "plots": plots}
+    write_text_atomic(out / "results.md", render_markdown(report))
+    write_text_atomic(out / "results.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    return report.files
+
+
+def log_report(report: "HarnessReport", logger: Logger, *, step: int | None = None,
+               prefix: str = "eval") -> None:
+    """The results table, the plots written by ``write_report``, recommended k and losslessness."""
+    rows = [[_table_value(asdict(r)[c]) for c in TABLE_COLUMNS] for r in report.results]
+    logger.log_table(f"{prefix}/results", TABLE_COLUMNS, rows, step=step)
+    scalars = {f"{prefix}/recommended_k/{m}": k for m, k in report.recommended_k.items()}
+    scalars[f"{prefix}/lossless"] = float(report.lossless)
+    logger.log(scalars, step=step)
+    for name in report.files.get("plots", []):
+        logger.log_image(f"{prefix}/{Path(name).stem}", Path(report.output_dir) / name, step=step)
+
+
+def _table_value(value):
+    """One type per column (W&B tables type-check columns): lists and the lossless flag
+    (true / false / null) become strings."""
+    if isinstance(value, list):
+        return " ".join(f"{v:.3f}" for v in value)
+    if value is None or isinstance(value, bool):
+        return {None: "n/a", True: "yes", False: "NO"}[value]
+    return value
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    _atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def _atomic(path: Path, fill) -> None:
+    """``fill(tmp)`` writes a temporary file beside ``path``, which then replaces ``path``."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fill(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# ---- markdown -------------------------------------------------------------------------------
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _lossless_cell(value: bool | None) -> str:
+    return "n/a (sampled)" if value is None else ("yes" if value else "**NO - MISMATCH**")
+
+
+def render_markdown(report: "HarnessReport") -> str:
+    s = report.settings
+    lines = ["# Acceptance evaluation", "",
+             f"Target `{report.target}`, {s['num_prompts']} prompts, max_tokens "
+             f"{s['max_tokens']}, device {s['device']}, created {report.created}.", ""]
+    bad = [r for r in report.results if r.lossless is False]
+    if bad:
+        lines += ["**LOSSLESS CHECK FAILED**: greedy speculative outputs differ from "
+                  "autoregressive decoding for:", ""]
+        lines += [f"- {r.method} k={r.k} batch={r.batch_size}: prompts {r.mismatched_prompts}"
+                  for r in bad]
+        lines.append("")
+    lines += ["## Autoregressive baselines", "",
+              _row(["batch", "temperature", "tok/s", "tokens", "s/step"]),
+              _row(["---"] * 5)]
+    lines += [_row([b.batch_size, f"{b.temperature:g}", f"{b.tok_s:.1f}", b.tokens,
+                    f"{b.c_ar_s * 1e3:.2f} ms"]) for b in report.baselines]
+    lines += ["", "## Results", "",
+              _row(["method", "k", "T", "batch", "accept len", "accept rate", "per-position",
+                    "tok/s", "speedup", "predicted", "cost draft", "cost verify", "coverage",
+                    "lossless"]), _row(["---"] * 14)]
+    for r in report.results:
+        lines.append(_row([
+            r.method, r.k, f"{r.temperature:g}", r.batch_size, f"{r.acceptance_length:.2f}",
+            f"{r.acceptance_rate:.3f}", " ".join(f"{p:.2f}" for p in r.per_position),
+            f"{r.tok_s:.1f}", f"{r.speedup:.2f}", f"{r.predicted_speedup:.2f}",
+            f"{r.cost_draft:.2f}", f"{r.cost_verify:.2f}", f"{r.draft_coverage:.2f}",
+            _lossless_cell(r.lossless)]))
+    lines += ["", "## k advisor", "",
+              "Predicted speedup for every k up to the largest measured one, from the measured "
+              "per-position acceptance and costs (cost model: docs/harness.md).", "",
+              _row(["method", "batch", "T", "measured k", "recommended k", "predicted",
+                    "predicted by k"]), _row(["---"] * 7)]
+    for a in report.advisor:
+        curve = " ".join(f"{c['k']}:{c['predicted_speedup']:.2f}" for c in a["candidates"])
+        lines.append(_row([a["method"], a["batch_size"], f"{a['temperature']:g}",
+                           ",".join(map(str, a["measured_ks"])), a["recommended_k"],
+                           f"{a['predicted_speedup']:.2f}", curve]))
+    rec = ", ".join(f"{m}: k={k}" for m, k in report.recommended_k.items()) or "none"
+    lines += ["", f"Recommended k per method (all measured conditions): {rec}.", ""]
+    if report.files.get("plots"):
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in report.files["plots"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---- plots ----------------------------------------------------------------------------------
+
+def _grid(report: "HarnessReport", title: str) -> tuple[Figure, list]:
+    """One panel per (temperature, batch size): temperatures down, batch sizes across."""
+    temps = sorted({r.temperature for r in report.results})
+    batches = sorted({r.batch_size for r in report.results})
+    have = {(r.temperature, r.batch_size) for r in report.results}
+    fig = Figure(figsize=(5.2 * len(batches), 3.8 * len(temps) + 0.6), layout="constrained")
+    axes = fig.subplots(len(temps), len(batches), squeeze=False)
+    panels = []
+    for i, temp in enumerate(temps):
+        for j, batch in enumerate(batches):
+            ax = axes[i][j]
+            if (temp, batch) not in have:
+                ax.set_visible(False)
+                continue
+            ax.set_title(f"temperature {temp:g}, batch {batch}", fontsize=10)
+            ax.grid(alpha=0.3)
+            panels.append((ax, (temp, batch)))
+    fig.suptitle(title)
+    return fig, panels
+
+
+def _by_method(report: "HarnessReport", temp: float, batch: int) -> dict[str, list]:
+    out: dict[str, list["ConfigResult"]] = {}
+    for r in report.results:
+        if r.temperature == temp and r.batch_size == batch:
+            out.setdefault(r.method, []).append(r)
+    return {m: sorted(rows, key=lambda r: r.k) for m, rows in out.items()}
+
+
+def _plot_per_position(report: "HarnessReport") -> Figure:
+    fig, panels = _grid(report, "Acceptance rate per draft position (largest k per method)")
+    for ax, (temp, batch) in panels:
+        methods = _by_method(report, temp, batch)
+        width = 0.8 / max(1, len(methods))
+        for i, (method, rows) in enumerate(methods.items()):
+            rates = rows[-1].per_position
+            xs = [p + 1 + (i - (len(methods) - 1) / 2) * width for p in range(len(rates))]
+            ax.bar(xs, rates, width=width, label=f"{method} (k={rows[-1].k})")
+        ax.set_xlabel("draft position")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_speedup(report: "HarnessReport") -> Figure:
+    fig, panels = _grid(report, "Speedup over autoregressive decoding vs k\n"
+                                "solid: measured, dashed: predicted, dotted: advisor's curve")
+    colors = _colors(report)
+    for ax, (temp, batch) in panels:
+        for method, rows in _by_method(report, temp, batch).items():
+            c = colors[method]
+            ks = [r.k for r in rows]
+            ax.plot(ks, [r.speedup for r in rows], "o-", color=c, label=method)
+            ax.plot(ks, [r.predicted_speedup for r in rows], "x--", color=c)
+            adv = next((a for a in report.advisor if a["method"] == method
+                        and a["batch_size"] == batch and a["temperature"] == temp), None)
+            if adv and adv["candidates"]:
+                ax.plot([x["k"] for x in adv["candidates"]],
+                        [x["predicted_speedup"] for x in adv["candidates"]], ":", color=c,
+                        alpha=0.6)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        _k_axis(ax)
+        ax.set_ylabel("speedup")
+        ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_acceptance_length(report: "HarnessReport") -> Figure:
+    fig, panels = _grid(report, "Mean acceptance length vs k")
+    colors = _colors(report)
+    for ax, (temp, batch) in panels:
+        for method, rows in _by_method(report, temp, batch).items():
+            ax.plot([r.k for r in rows], [r.acceptance_length for r in rows], "o-",
+                    color=colors[method], label=method)
+        _k_axis(ax)
+        ax.set_ylabel("acceptance length")
+        ax.legend(fontsize=8)
+    return fig
+
+
+def _k_axis(ax) -> None:
+    ax.set_xlabel("k (num_speculative_tokens)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _colors(report: "HarnessReport") -> dict[str, str]:
+    methods = list(dict.fromkeys(r.method for r in report.results))
+    return {m: f"C{i % 10}" for i, m in enumerate(methods)}
+
+
+def _save_figure(fig: Figure, path: Path) -> bool:
+    """Atomic PNG write; False when there is nothing to plot."""
+    if not fig.axes:
+        return False
+    _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    return True

@@ -1,0 +1,140 @@
+"""Prompt sets for the acceptance harness: local files and Hugging Face datasets in common shapes.
+
+``load_prompts(source, num=, split=, subset=, tokenizer=, chat=, field=)`` reads local .jsonl /
+.json (a list of records, or an object holding one) directly, and .csv / .parquet / .arrow files,
+dataset directories and hub ids through ``datasets.load_dataset``. Each record yields one prompt
+(``prompt_from_record``): ``prompt_token_ids`` (passed through), ``messages`` / ``conversations``
+(OpenAI or ShareGPT turns up to the first user turn), ``turns`` (MT-bench, first turn),
+``question`` (GSM8K), ``instruction`` (+ ``input``), ``prompt`` (HumanEval: plain text), ``text``.
+Chat-style prompts go through the tokenizer's chat template (``render_prompt``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+_CHAT_KEYS = ("messages", "conversations", "conversation")
+PROMPT_FIELDS = (*_CHAT_KEYS, "turns", "question", "instruction", "prompt", "text")
+
+
+def prompt_from_record(record: Mapping[str, Any], field: str | None = None) -> tuple[Any, bool]:
+    """One record's prompt: (text or token ids, False) for completion-style records, (messages
+    up to the first user turn, True) for chat-style ones. Shapes: messages / conversations
+    (OpenAI or ShareGPT turns), turns (MT-bench: the first), question (GSM8K), instruction
+    (+ input), prompt (HumanEval: plain text; a message list is chat), text."""
+    keys = (field,) if field else PROMPT_FIELDS
+    if not field and isinstance(record.get("prompt_token_ids"), list):
+        return list(record["prompt_token_ids"]), False
+    for key in keys:
+        if key not in record or record[key] is None:
+            continue
+        value = record[key]
+        if key in _CHAT_KEYS or (isinstance(value, list) and value
+                                 and isinstance(value[0], Mapping)):
+            return _first_user_turn(value), True
+        if key == "turns":
+            first = value[0] if isinstance(value, list) and value else value
+            text = first.get("content", "") if isinstance(first, Mapping) else str(first)
+            return [{"role": "user", "content": text}], True
+        if key == "instruction":
+            extra = record.get("input")
+            text = f"{value}\n\n{extra}" if extra else str(value)
+            return [{"role": "user", "content": text}], True
+        if key == "question":
+            return [{"role": "user", "content": str(value)}], True
+        return str(value), False
+    raise ValueError(f"record has no prompt field: expected one of {', '.join(keys)}; "
+                     f"got keys {sorted(record)}")
+
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "system": "system", "model": "assistant"}
+
+
+def _first_user_turn(turns: Sequence[Any]) -> list[dict]:
+    """Messages up to and including the first user turn, as {"role", "content"}."""
+    out = []
+    for turn in turns:
+        role = _ROLES.get(str(turn.get("role", turn.get("from", ""))).lower(), "user")
+        content = turn.get("content", turn.get("value", ""))
+        out.append({"role": role, "content": content})
+        if role == "user":
+            return out
+    raise ValueError(f"conversation without a user turn: {list(turns)[:3]}")
+
+
+def render_prompt(prompt: Any, is_chat: bool, tokenizer: Any = None,
+                  chat: bool | None = None) -> str | list[int]:
+    """The chat template with a generation prompt for chat-style prompts (``chat=None``) or all
+    (``chat=True``) when the tokenizer has one; plain text otherwise."""
+    if not is_chat and not isinstance(prompt, str):
+        return prompt  # token ids go to the engine as they are
+    want = is_chat if chat is None else chat
+    if want and getattr(tokenizer, "chat_template", None):
+        messages = prompt if is_chat else [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if chat:
+        log.warning("chat=True but the tokenizer has no chat template; using plain text")
+    return "\n\n".join(m["content"] for m in prompt) if is_chat else prompt
+
+
+def load_prompts(source: str, *, num: int | None = None, split: str = "test",
+                 subset: str | None = None, tokenizer: Any = None, chat: bool | None = None,
+                 field: str | None = None) -> list[str | list[int]]:
+    """The first ``num`` prompts of a local .json / .jsonl file (a list of records, or an
+    object holding one), a local .csv / .parquet file or dataset folder, or a Hugging Face hub
+    dataset id (``split``, ``subset``), rendered by ``render_prompt``."""
+    prompts = []
+    for i, record in enumerate(_records(source, split, subset)):
+        if num is not None and len(prompts) >= num:
+            break
+        if not isinstance(record, Mapping):
+            raise ValueError(f"{source}: record {i} is {type(record).__name__}, not an object")
+        try:
+            prompt, is_chat = prompt_from_record(record, field)
+        except ValueError as e:
+            raise ValueError(f"{source}: record {i}: {e}") from None
+        prompts.append(render_prompt(prompt, is_chat, tokenizer, chat))
+    if not prompts:
+        raise ValueError(f"{source}: no prompts found")
+    return prompts
+
+
+def _records(source: str, split: str, subset: str | None) -> Iterator[Any]:
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".jsonl":
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        return
+    if path.is_file() and path.suffix == ".json":
+        obj = json.loads(path.read_text())
+        if isinstance(obj, Mapping):
+            lists = [obj[k] for k in (split, "data", "rows", "examples", "train") if
+                     isinstance(obj.get(k), list)]
+            if not lists:
+                raise ValueError(f"{path}: expected a list of records or an object with a "
+                                 f"'{split}', 'data', 'rows' or 'examples' list")
+            obj = lists[0]
+        yield from obj
+        return
+    import datasets
+
+    if path.is_file():
+        kind = {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .json, .jsonl, "
+                             ".csv, .parquet or .arrow")
+        yield from datasets.load_dataset(kind, data_files=str(path), split="train")
+    elif path.is_dir():
+        yield from datasets.load_dataset(str(path), subset, split=split)
+    else:  # a hub id (needs the network or a populated HF cache)
+        yield from datasets.load_dataset(source, subset, split=split)
