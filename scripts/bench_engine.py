@@ -6,7 +6,8 @@ For batch 1 and 8: tokens/s of draftsmith's autoregressive decoding and of each 
 method, next to transformers' ``generate`` (plain; with ``assistant_model``; with
 ``prompt_lookup_num_tokens``; the last two only at batch 1, which is all transformers supports).
 For each method it also reports the speedup predicted from the measured acceptance and the
-measured costs, ``(1 + E[accepted]) * c_ar / (c_draft + c_verify)`` (per step, with
+measured costs, ``(1 + E[accepted]) * c_ar / (c_draft + c_verify)`` (E per request-step, steps that drafted
+nothing included; per step, with
 ``c_ar`` one autoregressive step, ``c_verify`` one target forward over k + 1 tokens, ``c_draft``
 one proposer call; timed by ``infer.harness.instrument``), and the ratio measured / predicted.
 Greedy decoding, fp32, CPU threads as torch sets them. ``--record`` appends the table to
@@ -42,7 +43,12 @@ def run_engine(target: str, spec, prompts, max_tokens: int, batch: int) -> dict:
         elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     m = llm.get_metrics()
+    # each request-step emits one recovered/bonus token besides its accepted drafts, and the
+    # prefill emits one token per prompt: E[accepted per request-step] counts steps that drafted
+    # nothing (n-gram misses), unlike the acceptance length
+    request_steps = max(tokens - len(prompts) - m["num_accepted_tokens"], 1)
     return {"tok_s": tokens / elapsed, "tokens": tokens, "accept_len": m["mean_acceptance_length"],
+            "e_acc": m["num_accepted_tokens"] / request_steps,
             "c_step": timers.step.mean, "c_verify": timers.verify.mean,
             "c_draft": timers.draft.mean, "outputs": [o.token_ids for o in outs]}
 
@@ -103,7 +109,7 @@ def main() -> None:
                 lossless = r["outputs"] == ar["outputs"]
                 hf = run_hf(target, draft, prompts, args.max_tokens, batch,
                             hf_modes[name], k) if name in hf_modes else None
-                pred = r["accept_len"] * ar["c_step"] / (r["c_draft"] + r["c_verify"])
+                pred = (1 + r["e_acc"]) * ar["c_step"] / (r["c_draft"] + r["c_verify"])
                 speed = r["tok_s"] / ar["tok_s"]
                 lines.append(f"| {batch} | {name}{'' if lossless else ' (MISMATCH)'} | {k} | "
                              f"{r['tok_s']:.1f} | {'n/a' if hf is None else f'{hf:.1f}'} | "
