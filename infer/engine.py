@@ -25,7 +25,7 @@ from infer.metrics import SpecMetrics
 from infer.models.loader import load_model
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
                                   get_proposer_class)
-from infer.rejection import rejection_sample
+from infer.rejection import greedy_verify, rejection_sample
 from infer.request import CompletionOutput, Request, RequestOutput
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
@@ -103,25 +103,32 @@ class LLM:
 
     # ---- the step --------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def speculative_step(self) -> None:
         """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
         reqs = self._running
         slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's keys
+        target_slots = None if _in_order([r.slot for r in reqs]) else slots
         temperature, top_k, top_p = self._sampling_tensors(reqs)
         proposal = self._propose(reqs, slots, temperature, top_k, top_p)
         draft_ids = proposal.draft_ids  # [B, k], -1 padded
         num_drafted = (draft_ids >= 0).sum(dim=1)  # [B]
         pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
         inputs = torch.cat([pending[:, None], draft_ids.clamp_min(0)], dim=1)  # [B, k + 1]
-        out = self.target(inputs, self.cache, slots, num_tokens=1 + num_drafted,
+        out = self.target(inputs, self.cache, target_slots, num_tokens=1 + num_drafted,
                           aux_layer_ids=self._aux_ids)
         logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
-        tokens = rejection_sample(
-            logits, draft_ids, proposal.draft_probs, temperature=temperature,
-            method=self.spec.rejection_sample_method if self.spec else "strict",
-            top_k=top_k, top_p=top_p, generator=self.generator,
-            synthetic_acceptance_rate=self.spec.synthetic_acceptance_rate if self.spec else None,
-        )  # [B, k + 1]
+        method = self.spec.rejection_sample_method if self.spec else "strict"
+        if _all_greedy(temperature) and method != "synthetic":
+            tokens = greedy_verify(logits, draft_ids)  # what rejection_sample returns here
+        else:
+            tokens = rejection_sample(
+                logits, draft_ids, proposal.draft_probs, temperature=temperature,
+                method=method, top_k=top_k, top_p=top_p, generator=self.generator,
+                synthetic_acceptance_rate=(self.spec.synthetic_acceptance_rate if self.spec
+                                           else None),
+            )  # [B, k + 1]
         rows, drafted = tokens.tolist(), num_drafted.tolist()  # the step's one host sync
         accepted = [sum(t >= 0 for t in row) - 1 for row in rows]
         new_lens = [len(r.tokens) + a for r, a in zip(reqs, accepted)]  # pending + accepted
@@ -184,23 +191,28 @@ class LLM:
             self._prefill(admitted)
         return waiting
 
+    @torch.no_grad()
     def _prefill(self, reqs: list[Request]) -> None:
         """Run prompts through the target (ragged batch) and sample each first token."""
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         self.cache.reset(slots)
+        target_slots = None if _in_order([r.slot for r in reqs]) else slots
         lens = [len(r.prompt_ids) for r in reqs]
         ids = torch.zeros(len(reqs), max(lens), dtype=torch.long)
         for i, r in enumerate(reqs):
             ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
         lens_t = torch.tensor(lens, device=self.device)
-        out = self.target(ids.to(self.device), self.cache, slots, num_tokens=lens_t,
+        out = self.target(ids.to(self.device), self.cache, target_slots, num_tokens=lens_t,
                           logits_at=(lens_t - 1)[:, None],
                           aux_layer_ids=self._aux_ids)  # logits [B, 1, vocab]
         temperature, top_k, top_p = self._sampling_tensors(reqs)
         logits = self._suppress_early_eos(out.logits, reqs)
         empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
-        first = rejection_sample(logits, empty, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, generator=self.generator)[:, 0].tolist()
+        if _all_greedy(temperature):
+            first = greedy_verify(logits, empty)[:, 0].tolist()
+        else:
+            first = rejection_sample(logits, empty, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, generator=self.generator)[:, 0].tolist()
         for req, tok in zip(reqs, first):
             req.append([tok], self.eos_ids, self.max_model_len)
             if self.proposer is not None:
@@ -280,6 +292,16 @@ class LLM:
         completion = CompletionOutput(0, text, ids, req.finish_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [completion],
                              req.metrics.as_dict(), error)
+
+
+def _in_order(slots: list[int]) -> bool:
+    """Whether a batch occupies cache rows ``0 .. B-1`` in order (then no slot gather is needed)."""
+    return all(s == i for i, s in enumerate(slots))
+
+
+def _all_greedy(temperature) -> bool:
+    """Every row greedy: ``_sampling_tensors`` gives a scalar when temperatures are uniform."""
+    return not isinstance(temperature, torch.Tensor) and temperature <= 0.0
 
 
 def _check_engine_args(dtype, device, max_model_len, max_num_seqs, seed, util, tp) -> None:

@@ -90,6 +90,26 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     return core(probs, draft_ids, num_drafts, uniforms, noise, q, accept_prob)
 
 
+def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor) -> torch.Tensor:
+    """What :func:`rejection_sample` returns when every row is greedy (temperature 0) and the
+    method is ``strict`` or ``probabilistic``: accept drafts while they equal the target's argmax;
+    the recovered / bonus token is the argmax at the first mismatch / after the last draft.
+
+    ``[batch, k + 1, vocab]``, ``[batch, k]`` (-1 padded) -> ``[batch, k + 1]``. No softmax, no
+    random numbers (so, unlike ``rejection_sample``, it leaves any generator untouched).
+    """
+    k = draft_token_ids.shape[1]
+    best = target_logits.argmax(dim=-1)  # [batch, k + 1]; ties -> first index, as one-hot p
+    draft_ids = draft_token_ids.long()
+    if k == 0:
+        return best
+    drafted = (draft_ids >= 0).long().cumprod(dim=1).bool()  # [batch, k]
+    accept = (draft_ids == best[:, :k]) & drafted
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [batch]
+    final = best.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
+    return _assemble(draft_ids, num_accepted, final)
+
+
 def draw_randomness(batch: int, k: int, vocab: int, device: torch.device,
                     generator: Optional[torch.Generator] = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

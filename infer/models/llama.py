@@ -168,6 +168,66 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float,
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+def _sdpa_supports_gqa() -> bool:
+    """Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5)."""
+    try:
+        import inspect
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: probe it
+        try:
+            x = torch.zeros(1, 2, 1, 1)
+            F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+            return True
+        except TypeError:
+            return False
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
+_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+
+
+def _fused_weight(fused: Tensor | None, parts: list[Tensor | None]) -> Tensor | None:
+    """``fused`` if ``parts`` are still its consecutive row blocks (same storage), else None.
+
+    :meth:`Llama.fuse_projections` makes the q/k/v (and gate/up) parameters views into one fused
+    tensor; anything that later replaces a parameter or its ``.data`` (``load_state_dict``,
+    ``.to()``) breaks the aliasing, which this detects, and the layer falls back to separate
+    projections. Autograd through the separate parameters is kept: the fused tensor is only
+    used when no gradient is being recorded for them.
+    """
+    if fused is None or parts[0] is None:
+        return None
+    if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        return None
+    ptr, step = fused.data_ptr(), fused.element_size()
+    for p in parts:
+        if (p.data_ptr() != ptr or p.dtype != fused.dtype or p.device != fused.device
+                or not p.is_contiguous()):
+            return None
+        ptr += p.numel() * step
+    return fused
+
+
+def _fuse_params(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output dim into one tensor each
+    and re-point every parameter at its row block of it (views: no extra memory, in-place
+    updates stay shared)."""
+    out = []
+    for attr in ("weight", "bias"):
+        params = [getattr(lin, attr) for lin in linears]
+        if params[0] is None:
+            out.append(None)
+            continue
+        fused = torch.cat([p.detach() for p in params], dim=0)
+        start = 0
+        for lin, p in zip(linears, params):
+            n = p.shape[0]
+            setattr(lin, attr, nn.Parameter(fused[start:start + n], requires_grad=p.requires_grad))
+            start += n
+        out.append(fused)
+    return out[0], out[1]
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x [B, heads, T, hd]`` (half-split layout, as in Hugging Face checkpoints)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -208,6 +268,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and _HAS_RMS_NORM:
+            # the same math in one fused op (no up/down cast to mirror in fp32)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -229,24 +292,52 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, h, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self._qkv: tuple[Tensor | None, Tensor | None] = (None, None)  # see fuse()
+
+    def fuse(self) -> None:
+        """Back q/k/v by one fused weight so a forward runs one projection instead of three
+        (parameter names and ``state_dict`` are unchanged). Only when they share an input width."""
+        lins = [self.q_proj, self.k_proj, self.v_proj]
+        if len({lin.in_features for lin in lins}) == 1:
+            self._qkv = _fuse_params(lins)
+
+    def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``([B, T, q_dim + kv_dim], v [B, T, kv_dim])``: q and k side by side (one tensor, so
+        RoPE can rotate both at once), then v."""
+        q_dim, kv_dim = self.q_proj.out_features, self.k_proj.out_features
+        w = _fused_weight(self._qkv[0], [self.q_proj.weight, self.k_proj.weight,
+                                         self.v_proj.weight])
+        if w is not None and (self.q_proj.bias is None or _fused_weight(
+                self._qkv[1], [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) is not None):
+            qk, v = F.linear(x, w, self._qkv[1]).split([q_dim + kv_dim, kv_dim], dim=-1)
+            return qk, v
+        return torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1), self.v_proj(x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 step: CacheStep | None = None) -> Tensor:
         """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` None means plain causal over ``x`` alone."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # [B, T, heads, hd]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # [B, T, kv_heads, hd]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        qk, v = self._project_qkv(x)  # [B, T, (heads + kv_heads) * hd], [B, T, kv_heads * hd]
+        qk = qk.view(b, t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, hd]
+        if self.q_norm is None:  # rotate q and k together: one RoPE instead of two
+            qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, heads + kv_heads, T, hd]
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)  # [B, T, heads, hd], ...
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step is not None:
             k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
         rep = self.num_heads // self.num_kv_heads
-        if rep > 1:  # expand kv heads to query heads (a copy; portable across SDPA backends)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=True)
+        else:
+            if rep > 1:  # expand kv heads to query heads (a copy; older torch)
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
 
 
@@ -259,8 +350,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self._gate_up: tuple[Tensor | None, Tensor | None] = (None, None)  # see fuse()
+
+    def fuse(self) -> None:
+        """Back gate/up by one fused weight (one projection per forward; same names)."""
+        self._gate_up = _fuse_params([self.gate_proj, self.up_proj])
 
     def forward(self, x: Tensor) -> Tensor:
+        w = _fused_weight(self._gate_up[0], [self.gate_proj.weight, self.up_proj.weight])
+        if w is not None and (self.gate_proj.bias is None or _fused_weight(
+                self._gate_up[1], [self.gate_proj.bias, self.up_proj.bias]) is not None):
+            gate, up = F.linear(x, w, self._gate_up[1]).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -299,6 +400,15 @@ class Llama(nn.Module):
         """(Re)compute the RoPE frequencies on the embedding's device (after a meta build)."""
         device = self.embed_tokens.weight.device
         self.inv_freq, self.rope_scale = rope_frequencies(self.config, device)  # [hd / 2]
+
+    def fuse_projections(self) -> "Llama":
+        """Fuse q/k/v and gate/up of every layer into one weight each (see :meth:`Attention.fuse`);
+        numerics and parameter names are unchanged. :func:`~infer.models.loader.load_model` calls
+        it; a later ``load_state_dict`` / ``.to()`` silently falls back to separate projections."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint says so."""

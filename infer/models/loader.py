@@ -235,4 +235,5 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign replaced the embedding parameter; re-share it
     model.init_buffers()
+    model.fuse_projections()  # one q/k/v and one gate/up matmul per layer (names unchanged)
     return model.requires_grad_(False).eval()
