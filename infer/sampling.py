@@ -18,10 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from infer.validation import check_float, check_int, config_error, reject_unknown_keys
 
 _WHERE = "SamplingParams"
-_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "parallel_drafting",
-              "rejection_sample_method", "draft_tensor_parallel_size"}
-
-
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (vLLM names). temperature 0 means greedy."""
@@ -75,12 +71,19 @@ class SamplingParams:
             obj = OmegaConf.to_container(obj, resolve=True)
         obj = dict(obj or {})
         hints = {k: "it belongs in speculative_config, not in the sampling parameters"
-                 for k in _SPEC_KEYS}
+                 for k in _speculative_keys()}
         reject_unknown_keys(obj, [f.name for f in fields(cls)], _WHERE, hints)
         return cls(**obj)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _speculative_keys() -> list[str]:
+    """SpeculativeConfig's field names (imported late: spec_config imports this module)."""
+    from infer.spec_config import SpeculativeConfig
+
+    return [f.name for f in fields(SpeculativeConfig)]
 
 
 def _per_row(value: float | int | torch.Tensor | None, like: torch.Tensor,

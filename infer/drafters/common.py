@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from infer.models.llama import ModelConfig
+from infer.models.llama import ModelConfig, position_mask
 from infer.models.loader import resolve_model_dir, weight_files
 
 CONFIG_NAME = "config.json"
@@ -155,3 +155,42 @@ def as_bool_mask(mask: Tensor | None) -> Tensor | None:
     if mask.dtype != torch.bool:
         raise ValueError(f"attention_mask must be bool (True = attend), got {mask.dtype}")
     return mask[:, None] if mask.dim() == 3 else mask
+
+
+class PairDrafter(torch.nn.Module):
+    """Base of the EAGLE heads: one decoder layer over pairs ``(hidden [B, T, H], input_ids
+    [B, T])``. Subclasses implement ``_run(input_ids, hidden, positions, mask, step, logits_at)
+    -> (logits [B, K, V], hidden [B, K, H])``; this class gives both heads the same cached
+    (inference) and full-sequence (training) entry points."""
+
+    def forward(self, input_ids: Tensor, hidden: Tensor, cache, slots: Tensor | None = None, *,
+                num_tokens: Tensor | None = None, kv_len: int | None = None,
+                logits_at: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Cached step: the pairs are appended to cache rows ``slots`` with the ragged/rollback
+        contract of :meth:`infer.models.llama.Llama.forward`; outputs at ``logits_at [B, K]``
+        (default: every position)."""
+        b, t = input_ids.shape
+        step = cache.plan(b, t, slots, num_tokens, kv_len)
+        key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
+        mask = position_mask(step.positions, key_pos)  # [B, 1, T, S]
+        out = self._run(input_ids, hidden, step.positions, mask, step, logits_at)
+        cache.advance(step)
+        return out
+
+    def forward_train(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
+                      attention_mask: Tensor | None = None,
+                      kv: StepKV | None = None) -> tuple[Tensor, Tensor]:
+        """Full-sequence step for training (one TTT step).
+
+        ``attention_mask`` bool ``[B, T, S]`` / ``[B, 1, T, S]`` (True = attend) over the keys of
+        ``kv`` (earlier steps) followed by this step's; None = causal (only without earlier keys).
+        ``position_ids [B, T]`` default ``0 .. T-1``.
+        """
+        b, t = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        mask = as_bool_mask(attention_mask)
+        if mask is None and kv is not None and kv.length:
+            raise ValueError("forward_train: an attention_mask is required once kv holds "
+                             "earlier steps' keys")
+        return self._run(input_ids, hidden, position_ids, mask, kv, None)

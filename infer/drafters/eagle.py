@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (StepKV, as_bool_mask, check_names, gather_rows,
+from infer.drafters.common import (PairDrafter, StepKV, check_names, gather_rows,
                                    hf_layer_config, read_checkpoint, share, write_checkpoint)
-from infer.kv_cache import CacheStep, KVCache
-from infer.models.llama import (DecoderLayer, ModelConfig, position_mask, rope_cos_sin,
+from infer.kv_cache import CacheStep
+from infer.models.llama import (DecoderLayer, ModelConfig, rope_cos_sin,
                                 rope_frequencies)
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import config_error
@@ -106,7 +106,7 @@ class EagleConfig:
                    fc_bias=fc_bias)
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(PairDrafter):
     """EAGLE-1 head: see the module doc. Call :meth:`attach_target` before any forward."""
 
     aux_layer_ids: tuple[int, ...] = ()  # uses ModelOutput.hidden (after the final norm)
@@ -153,36 +153,6 @@ class EagleDrafter(nn.Module):
 
     def to_target_probs(self, q: Tensor) -> Tensor:
         return q
-
-    def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache,
-                slots: Tensor | None = None, *, num_tokens: Tensor | None = None,
-                kv_len: int | None = None,
-                logits_at: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Cached step over pairs ``(hidden [B, T, H], input_ids [B, T])``; the cache contract
-        of :meth:`infer.models.llama.Llama.forward`. Returns ``(logits [B, K, vocab], predicted
-        feature [B, K, H])`` at ``logits_at [B, K]`` (default: every position)."""
-        b, t = input_ids.shape
-        step = cache.plan(b, t, slots, num_tokens, kv_len)
-        key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
-        mask = position_mask(step.positions, key_pos)  # [B, 1, T, S]
-        out = self._run(input_ids, hidden, step.positions, mask, step, logits_at)
-        cache.advance(step)
-        return out
-
-    def forward_train(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
-                      attention_mask: Tensor | None = None,
-                      kv: StepKV | None = None) -> tuple[Tensor, Tensor]:
-        """Full-sequence step: ``(logits [B, T, vocab], predicted feature [B, T, H])``; the
-        feature is what EAGLE-1's SmoothL1 loss regresses onto the target's next feature.
-        Mask / positions / ``kv`` as in :meth:`Eagle3Drafter.forward_train`."""
-        b, t = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        mask = as_bool_mask(attention_mask)
-        if mask is None and kv is not None and kv.length:
-            raise ValueError("forward_train: an attention_mask is required once kv holds "
-                             "earlier steps' keys")
-        return self._run(input_ids, hidden, position_ids, mask, kv, None)
 
     def _run(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
              step: CacheStep | StepKV | None, logits_at: Tensor | None) -> tuple[Tensor, Tensor]:

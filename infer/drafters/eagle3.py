@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (StepKV, as_bool_mask, check_names, gather_rows,
+from infer.drafters.common import (PairDrafter, StepKV, check_names, gather_rows,
                                    hf_layer_config, read_checkpoint, share, write_checkpoint)
-from infer.kv_cache import CacheStep, KVCache
-from infer.models.llama import (MLP, Attention, ModelConfig, RMSNorm, position_mask,
+from infer.kv_cache import CacheStep
+from infer.models.llama import (MLP, Attention, ModelConfig, RMSNorm,
                                 rope_cos_sin, rope_frequencies)
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import check_int, config_error
@@ -247,7 +247,7 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(PairDrafter):
     """EAGLE-3 draft model: see the module doc for the math and the checkpoint format."""
 
     def __init__(self, config: Eagle3Config, *, with_embedding: bool | None = None):
@@ -328,43 +328,6 @@ class Eagle3Drafter(nn.Module):
             parts = aux.chunk(len(self.fc_norm), dim=-1)
             aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(aux)
-
-    def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache,
-                slots: Tensor | None = None, *, num_tokens: Tensor | None = None,
-                kv_len: int | None = None,
-                logits_at: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Cached step: pairs ``(hidden [B, T, H], input_ids [B, T])`` appended to cache rows.
-
-        Same ragged/rollback contract as :meth:`infer.models.llama.Llama.forward`. Returns
-        ``(logits [B, K, draft_vocab], next hidden [B, K, H])`` at ``logits_at [B, K]``
-        (default: every position).
-        """
-        b, t = input_ids.shape
-        step = cache.plan(b, t, slots, num_tokens, kv_len)
-        key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
-        mask = position_mask(step.positions, key_pos)  # [B, 1, T, S]
-        out = self._run(input_ids, hidden, step.positions, mask, step, logits_at)
-        cache.advance(step)
-        return out
-
-    def forward_train(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
-                      attention_mask: Tensor | None = None,
-                      kv: StepKV | None = None) -> tuple[Tensor, Tensor]:
-        """Full-sequence step for training: ``(logits [B, T, draft_vocab], hidden [B, T, H])``.
-
-        ``hidden`` is ``g = prepare(aux)`` at TTT step 0 and the previous step's returned hidden
-        afterwards. ``attention_mask`` bool ``[B, T, S]`` / ``[B, 1, T, S]`` (True = attend) over
-        the keys of ``kv`` (earlier steps) followed by this step's; None = causal (only without
-        earlier keys). ``position_ids [B, T]`` default ``0 .. T-1``.
-        """
-        b, t = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        mask = as_bool_mask(attention_mask)
-        if mask is None and kv is not None and kv.length:
-            raise ValueError("forward_train: an attention_mask is required once kv holds "
-                             "earlier steps' keys")
-        return self._run(input_ids, hidden, position_ids, mask, kv, None)
 
     def _run(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
              step: CacheStep | StepKV | None, logits_at: Tensor | None) -> tuple[Tensor, Tensor]:
