@@ -33,7 +33,11 @@ def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor])
 
     A new directory appears in one ``os.replace``; into an existing one the weights are replaced
     first and ``config.json`` last, each file atomically (other files there are left alone).
+    ``torch_dtype`` is recorded from the first floating-point tensor.
     """
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+    if dtype is not None:
+        config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))

@@ -166,9 +166,7 @@ class EagleDrafter(PairDrafter):
     # ---- checkpoint --------------------------------------------------------------------------
 
     def save_pretrained(self, path: str | Path) -> Path:
-        config = self.config.to_dict()
-        config["torch_dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
-        return write_checkpoint(path, config, self.state_dict())
+        return write_checkpoint(path, self.config.to_dict(), self.state_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",

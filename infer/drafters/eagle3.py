@@ -342,9 +342,7 @@ class Eagle3Drafter(PairDrafter):
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write the speculators checkpoint (atomic); the shared embedding is not saved."""
-        config = self.config.to_dict()
-        config["torch_dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
-        return write_checkpoint(path, config, self.state_dict())
+        return write_checkpoint(path, self.config.to_dict(), self.state_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",

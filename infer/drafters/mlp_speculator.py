@@ -254,9 +254,7 @@ class MLPSpeculator(nn.Module):
         return {name: p for name, p in self.named_parameters()}
 
     def save_pretrained(self, path: str | Path) -> Path:
-        config = self.config.to_dict()
-        config["torch_dtype"] = str(self.head[0].weight.dtype).removeprefix("torch.")
-        return write_checkpoint(path, config, self.vllm_state_dict())
+        return write_checkpoint(path, self.config.to_dict(), self.vllm_state_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",
