@@ -53,8 +53,8 @@ def prepare_data(cfg: TrainConfig) -> PreparedData:
                          split=d.split, pack=d.pack, num_proc=d.num_proc, seed=d.seed,
                          max_examples=d.num_examples)
     vocab_size = load_config(target_dir).vocab_size
-    vocab = build_draft_vocab(ds, vocab_size, min(cfg.draft_vocab_size, vocab_size))
-    data_dir = Path(cfg.output_dir) / cfg.recipe / "data"
+    vocab = build_draft_vocab(ds, vocab_size, min(cfg.drafter.draft_vocab_size, vocab_size))
+    data_dir = Path(cfg.output_dir) / cfg.name / "data"
     _save_dataset_atomically(ds, data_dir / "dataset")
     vocab.save(data_dir)
     return PreparedData(target_dir, ds, vocab, data_dir)

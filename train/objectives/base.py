@@ -1,0 +1,137 @@
+"""The objective interface and registry: one file per drafter method, registered by name.
+
+An objective is an ``nn.Module`` that owns the trainable drafter (``self.drafter``, registered)
+and borrows the frozen target pieces it needs (``TargetHeads``: embedding and LM head, shared,
+never registered, so they are neither trained, saved nor wrapped by DDP/DeepSpeed). Its
+``forward(batch)`` is the whole training computation of one micro-batch (unroll + loss +
+metrics): the trainer hands the objective itself to ``accelerator.prepare``, so calling it goes
+through DDP's / DeepSpeed's ``__call__`` and gradients are synchronised. (Calling
+``model.module.forward_train`` directly would silently skip that.)
+
+Batch layout (``train.data.collate`` + ``train.features``), all on the training device::
+
+    input_ids     int64 [B, T]   packed documents (train/data.py module doc)
+    loss_mask     bool  [B, T]   loss_mask[t]: token t is a training target
+    position_ids  int64 [B, T]   restart at 0 per document
+    doc_ids       int64 [B, T]   document index per token (attention never crosses documents)
+    aux           [B, T, n * H]  target residual streams after ``aux_layer_ids`` layers, sorted
+                                 id order, concatenated (only when the spec asks for them)
+    hidden        [B, T, H]      target last hidden state after the final norm (when asked);
+                                 target logits are ``heads.lm_head(hidden)`` (never stored)
+
+The trainer never branches on a method name: it looks the class up in ``OBJECTIVES``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from infer.models.llama import ModelConfig
+from infer.validation import config_error
+
+OBJECTIVES: dict[str, type["Objective"]] = {}
+
+
+def register(name: str) -> Callable[[type["Objective"]], type["Objective"]]:
+    """Class decorator: ``@register("eagle3")`` makes the objective available by name."""
+
+    def deco(cls: type["Objective"]) -> type["Objective"]:
+        cls.name = name
+        OBJECTIVES[name] = cls
+        return cls
+
+    return deco
+
+
+def get_objective(name: str) -> type["Objective"]:
+    import train.objectives  # noqa: F401  (imports every objective module, filling OBJECTIVES)
+
+    if name not in OBJECTIVES:
+        raise config_error("drafter.method", name, f"one of {', '.join(sorted(OBJECTIVES))}",
+                           "train config")
+    return OBJECTIVES[name]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What an objective needs from the frozen target for every batch."""
+
+    aux_layer_ids: tuple[int, ...] = ()  # -> batch["aux"] [B, T, len * H], sorted id order
+    hidden: bool = False  # -> batch["hidden"] [B, T, H] (after the final norm)
+
+    @property
+    def needs_target(self) -> bool:
+        return bool(self.aux_layer_ids) or self.hidden
+
+
+@dataclass
+class TargetHeads:
+    """The frozen target's token embedding and LM head (+ its config), shared by drafters."""
+
+    config: ModelConfig
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "TargetHeads":
+        self.embed_tokens.to(device=device, dtype=dtype)
+        self.lm_head.to(device=device, dtype=dtype)
+        return self
+
+
+@dataclass
+class LossOutput:
+    """``loss``: scalar to backpropagate; ``metrics``: detached scalar tensors (no host sync),
+    e.g. ``loss/step_0``, ``full_acc_0``, ``cond_acc_1``; ``num_tokens``: loss positions."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    num_tokens: Tensor | None = None
+
+
+class Objective(nn.Module, ABC):
+    """Base of every training objective (see the module doc).
+
+    Subclasses set ``self.drafter`` in ``__init__`` and implement ``feature_spec``, ``forward``
+    and ``export``. ``cfg`` is the whole ``TrainConfig`` (its ``drafter`` and ``objective``
+    sections are the method's own); ``vocab`` is the ``DraftVocab`` of the training data.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, cfg: Any, heads: TargetHeads, vocab: Any, target_dir: str | Path):
+        super().__init__()
+        self.cfg, self.vocab, self.target_dir = cfg, vocab, str(target_dir)
+        object.__setattr__(self, "heads", heads)  # frozen, not a submodule
+
+    @abstractmethod
+    def feature_spec(self) -> FeatureSpec:
+        """Which target features ``forward`` reads from the batch."""
+
+    @abstractmethod
+    def forward(self, batch: dict[str, Tensor]) -> LossOutput:
+        """One micro-batch: unroll the drafter, return the loss and its metrics."""
+
+    @abstractmethod
+    def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
+        """Write the drafter in its deployment format (what vLLM / the engine load).
+
+        ``state_dict``: the objective's full state dict gathered by the trainer (DeepSpeed
+        ZeRO-3 / FSDP shard parameters); None = this module's own parameters.
+        """
+
+    def speculative_config(self, path: str | Path, k: int) -> dict:
+        """The engine's ``speculative_config`` that serves the exported drafter at ``path``."""
+        return {"method": self.name, "model": str(path), "num_speculative_tokens": k}
+
+    def drafter_state(self, state_dict: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """``drafter.*`` entries of an objective state dict, prefix removed."""
+        if state_dict is None:
+            return self.drafter.state_dict()
+        return {k.removeprefix("drafter."): v for k, v in state_dict.items()
+                if k.startswith("drafter.")}
