@@ -49,9 +49,15 @@ def register(name: str) -> Callable[[type["Objective"]], type["Objective"]]:
     return deco
 
 
-def get_objective(name: str) -> type["Objective"]:
-    import train.objectives  # noqa: F401  (imports every objective module, filling OBJECTIVES)
+METHOD_MODULES = ("eagle3", "eagle", "mlp_speculator", "pard")  # train/objectives/<name>.py
 
+
+def get_objective(name: str) -> type["Objective"]:
+    """The objective class registered as ``name`` (imports every objective module first)."""
+    import importlib
+
+    for module in METHOD_MODULES:
+        importlib.import_module(f"train.objectives.{module}")
     if name not in OBJECTIVES:
         raise config_error("drafter.method", name, f"one of {', '.join(sorted(OBJECTIVES))}",
                            "train config")

@@ -1,0 +1,83 @@
+"""Tiny in-process targets and training data for the training tests (no network).
+
+``train_target``: a 4-layer random Llama (GQA) with draftsmith's BPE tokenizer and chat template,
+saved as a real Hugging Face directory. ``train_data``: chat examples through the real data
+pipeline (chat template, assistant-only loss masks, packing) plus their draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import datasets
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from train.data import prepare_dataset
+from train.tiny_target import train_tokenizer
+from train.vocab import DraftVocab, build_draft_vocab
+
+CODE = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n",
+    "with open(path) as f:\n    data = f.read()\n",
+    "if x > 0:\n    y = x\nelse:\n    y = -x\n",
+]
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    """``n`` user/assistant examples: the user quotes a code prefix, the assistant continues it."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        text = rng.choice(CODE) + rng.choice(CODE)
+        cut = rng.randint(5, len(text) // 2)
+        rows.append({"messages": [{"role": "user", "content": text[:cut]},
+                                  {"role": "assistant", "content": text[cut:]}]})
+    return rows
+
+
+def save_train_target(path, *, layers: int = 4, hidden: int = 64, seed: int = 0) -> str:
+    tok = train_tokenizer(CODE * 4, vocab_size=400)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@dataclass
+class TrainData:
+    target_dir: str
+    dataset: datasets.Dataset  # packed rows (input_ids, loss_mask, position_ids, doc_ids)
+    vocab: DraftVocab
+    tokenizer: object
+
+
+@pytest.fixture(scope="session")
+def train_target(tmp_path_factory) -> str:
+    return save_train_target(tmp_path_factory.mktemp("train_target"))
+
+
+@pytest.fixture(scope="session")
+def train_data(train_target) -> TrainData:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(train_target)
+    ds = prepare_dataset(datasets.Dataset.from_list(chat_rows(64)), tok, max_length=128,
+                         verbose=False)
+    vocab = build_draft_vocab(ds, len(tok), 128)
+    return TrainData(train_target, ds, vocab, tok)
