@@ -1,9 +1,13 @@
 """Generate with draftsmith's engine: ``python infer.py [key=value ...]`` (conf/infer.yaml).
 
 With no ``model`` it uses the embedded tiny target (built on first use) on held-out code
-prompts, drafting with the tiny draft LM unless ``speculative_config`` says otherwise.
+prompts, drafting with the default recipe's trained EAGLE-3 head (outputs/tiny_eagle3/final)
+when ``python train.py`` has produced it, else with the tiny draft LM, unless
+``speculative_config`` says otherwise.
 ``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/harness.py).
 """
+
+from pathlib import Path
 
 import hydra
 from omegaconf import OmegaConf
@@ -11,21 +15,27 @@ from omegaconf import OmegaConf
 from infer.config import InferConfig, register_configs
 
 register_configs()
+DEFAULT_HEAD = Path("outputs") / "tiny_eagle3" / "final"  # train.py's default recipe output
 
 
 def default_model(cfg: InferConfig) -> tuple[str, list | None]:
-    """The embedded default: tiny target, held-out code prompts, tiny draft model (k=3)."""
+    """The embedded default: tiny target, held-out code prompts, and the default recipe's
+    trained head (``python train.py`` -> outputs/tiny_eagle3/final) when it exists, else the
+    tiny draft model (k=3)."""
     from train.tiny_target_build import ensure_tiny_target
     from train.tiny_target import default_draft_dir
 
-    from infer.cli import with_default_draft
+    from infer.cli import with_default_draft, with_default_head
 
     target = str(ensure_tiny_target(with_draft=True))
     draft = str(default_draft_dir())
+    head = DEFAULT_HEAD if (DEFAULT_HEAD / "config.json").is_file() else None
     if cfg.speculative_config is None:
-        cfg.speculative_config = {"method": "draft_model", "model": draft,
-                                  "num_speculative_tokens": 3}
-    cfg.eval.methods = with_default_draft(cfg.eval.methods, draft)
+        cfg.speculative_config = ({"method": "eagle3", "model": str(head),
+                                   "num_speculative_tokens": 3} if head else
+                                  {"method": "draft_model", "model": draft,
+                                   "num_speculative_tokens": 3})
+    cfg.eval.methods = with_default_head(with_default_draft(cfg.eval.methods, draft), head)
     if cfg.mode == "eval" and cfg.eval.dataset:
         return target, None
     from train.data import heldout_prompts

@@ -110,6 +110,13 @@ def with_default_draft(methods: list[Any], draft: str) -> list[dict]:
     return out
 
 
+def with_default_head(methods: list[dict], head) -> list[dict]:
+    """Add the default recipe's trained EAGLE-3 head (when ``head`` is a path) to the matrix."""
+    if head is None or any(m.get("model") == str(head) for m in methods):
+        return methods
+    return methods + [{"method": "eagle3", "model": str(head), "name": "tiny_eagle3"}]
+
+
 def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> list[Any]:
     """``eval.dataset`` (chat template where a record is chat-style), else the prompts the entry
     point passed (the held-out code prompts: plain strings, each sent as one user message through

@@ -53,6 +53,7 @@ class RegenerateConfig:
     max_tokens: int = 256  # per answer
     batch_size: int = 8  # engine max_num_seqs
     max_model_len: Optional[int] = None  # None: the target's context length
+    num_examples: Optional[int] = None  # regenerate only the first N examples (None: all)
 
 
 @dataclass
@@ -144,6 +145,7 @@ class EvalConfig:
     num_prompts: int = 8
     max_tokens: int = 64
     dataset: Optional[str] = None  # None: held-out code prompts (embedded default)
+    dataset_split: str = "test"
     baselines: List[str] = field(default_factory=lambda: ["ngram"])  # methods run beside it
     batch_size: int = 1
 

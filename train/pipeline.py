@@ -1,23 +1,31 @@
 """The training job's stages, in the order ``python train.py`` runs them.
 
-Today: resolve the target (building the embedded tiny target when none is given), build or load
-the dataset, apply the chat template with assistant-only loss masks, pack, and derive the draft
-vocabulary; both are saved under ``<output_dir>/<recipe>/data``. Drafter training, the features
-cache and export are added as their stages land.
+target (the embedded tiny target is built when none is given) -> dataset (shuffled, capped)
+-> optional regeneration of the answers by the target -> chat template + assistant-only loss
+masks + packing -> draft vocabulary (both saved under ``<run_dir>/data``) -> objective (the
+method's registered class) -> target features (online: the frozen target runs inside each step;
+offline: a sharded safetensors cache computed once) -> trainer (accelerate) -> deployment-format
+checkpoint at ``<run_dir>/final`` -> acceptance harness on held-out prompts.
+
+With several processes (``accelerate launch``) every rank runs this file; data preparation and
+the tiny-target build happen on the main process first (the others then read the caches), the
+offline feature cache is split across ranks, and the evaluation runs on the main process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import torch
 
 from infer.models.loader import load_config
 from train.config import TrainConfig
-from train.data import build_default_dataset, prepare_dataset
+from train.data import build_default_dataset, load_source, pad_token_id, prepare_dataset
 from train.vocab import DraftVocab, build_draft_vocab
 
 
@@ -27,37 +35,79 @@ class PreparedData:
     dataset: datasets.Dataset  # packed rows: input_ids, loss_mask, position_ids, doc_ids
     vocab: DraftVocab
     data_dir: Path
+    raw: datasets.Dataset | None = None  # the examples before tokenization (for stage 2)
 
 
 def resolve_target(cfg: TrainConfig) -> str:
     """The target directory: the configured one, or the embedded tiny target (built if needed)."""
     if cfg.target.path:
-        if not Path(cfg.target.path).is_dir():
+        path = Path(cfg.target.path)
+        if path.is_dir():
+            return str(path)
+        if path.is_absolute() or cfg.target.path.startswith("."):
             raise FileNotFoundError(f"target.path={cfg.target.path!r} is not a directory "
                                     "(a Hugging Face model directory is expected)")
-        return cfg.target.path
+        return download(cfg.target.path, "target.path")
     from train.tiny_target_build import ensure_tiny_target
 
     return str(ensure_tiny_target())
 
 
-def prepare_data(cfg: TrainConfig) -> PreparedData:
+def download(repo_id: str, key: str) -> str:
+    """A hub model id -> its local snapshot (downloaded unless cached or ``HF_HUB_OFFLINE``)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                          "*.txt", "*.jinja"])
+    except Exception as err:  # offline and not cached, gated, typo ...
+        raise FileNotFoundError(f"{key}={repo_id!r}: not a local directory and the hub download "
+                                f"failed ({type(err).__name__}: {err})") from None
+
+
+def load_examples(cfg: TrainConfig) -> datasets.Dataset:
+    """The raw examples: ``data.source`` (or the embedded default), shuffled, first N."""
+    d = cfg.data
+    if d.source is None:
+        return build_default_dataset(d.num_examples, seed=d.seed)
+    ds = load_source(d.source, d.split).shuffle(seed=d.seed)
+    return ds.select(range(min(d.num_examples, len(ds))))
+
+
+def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: str
+                ) -> datasets.Dataset:
+    """``raw`` with its answers rewritten by the target (resumable, under ``<run_dir>/name``)."""
+    from train.regenerate import regenerate
+
+    n = cfg.regenerate.num_examples
+    if n is not None:
+        raw = raw.select(range(min(n, len(raw))))
+    return regenerate(raw, target_dir, cfg.regenerate, cfg.run_dir / name,
+                      format=cfg.data.format, seed=cfg.seed, device=cfg.trainer.device)
+
+
+def prepare_data(cfg: TrainConfig, target_dir: str | None = None) -> PreparedData:
     """Tokenized, loss-masked, packed training data plus its draft vocabulary, saved to disk."""
     from transformers import AutoTokenizer
 
-    target_dir = resolve_target(cfg)
+    target_dir = target_dir or resolve_target(cfg)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    d = cfg.data
-    source = d.source or build_default_dataset(d.num_examples, seed=d.seed)
-    ds = prepare_dataset(source, tokenizer, max_length=d.max_length, format=d.format,
-                         split=d.split, pack=d.pack, num_proc=d.num_proc, seed=d.seed,
-                         max_examples=d.num_examples)
+    raw = load_examples(cfg)
+    if cfg.regenerate.enabled:
+        raw = regenerated(cfg, target_dir, raw, "regenerated")
+    ds = tokenize(cfg, raw, tokenizer)
     vocab_size = load_config(target_dir).vocab_size
     vocab = build_draft_vocab(ds, vocab_size, min(cfg.drafter.draft_vocab_size, vocab_size))
-    data_dir = Path(cfg.output_dir) / cfg.name / "data"
+    data_dir = cfg.run_dir / "data"
     _save_dataset_atomically(ds, data_dir / "dataset")
     vocab.save(data_dir)
-    return PreparedData(target_dir, ds, vocab, data_dir)
+    return PreparedData(target_dir, ds, vocab, data_dir, raw)
+
+
+def tokenize(cfg: TrainConfig, raw: datasets.Dataset, tokenizer) -> datasets.Dataset:
+    d = cfg.data
+    return prepare_dataset(raw, tokenizer, max_length=d.max_length, format=d.format,
+                           pack=d.pack, num_proc=d.num_proc, seed=d.seed, shuffle=False)
 
 
 def _save_dataset_atomically(ds: datasets.Dataset, dest: Path) -> None:
@@ -69,14 +119,115 @@ def _save_dataset_atomically(ds: datasets.Dataset, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def run(cfg: TrainConfig) -> PreparedData:
-    prepared = prepare_data(cfg)
-    covered = float(prepared.vocab.counts[prepared.vocab.target_ids()].sum()
-                    / max(prepared.vocab.counts.sum(), 1))
-    print(f"target: {prepared.target_dir}")
-    print(f"data: {len(prepared.dataset)} packed rows -> {prepared.data_dir / 'dataset'}")
-    print(f"draft vocabulary: {len(prepared.vocab.d2t)} tokens covering {covered:.1%} of the "
-          f"loss tokens -> {prepared.data_dir}")
-    print("drafter training (EAGLE-3 objective, trainer, export) is not implemented yet; "
-          "this run prepared its data.")
-    return prepared
+# ---- the whole job ---------------------------------------------------------------------------
+
+@dataclass
+class Features:
+    """Rows for the trainer, the per-batch feature hook and the frozen target heads."""
+
+    rows: torch.utils.data.Dataset
+    add: object  # Callable[[dict], dict]
+    heads: object  # TargetHeads
+
+
+def target_dtype(cfg: TrainConfig, device: torch.device) -> str:
+    """``target.dtype`` auto: bf16 on GPU (what the target serves in), fp32 on CPU."""
+    if cfg.target.dtype != "auto":
+        return cfg.target.dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def build_objective(cfg: TrainConfig, prepared: PreparedData, state) -> tuple[object, Features]:
+    """The method's objective and its feature source (online target or offline cache)."""
+    from train import features as F
+    from train.objectives.base import get_objective
+
+    cls = get_objective(cfg.drafter.method)
+    dtype = target_dtype(cfg, state.device)
+    mode = cfg.features.mode
+    if mode not in ("online", "offline"):
+        from infer.validation import config_error
+
+        raise config_error("features.mode", mode, "online or offline", "train config")
+    target = None
+    if mode == "online":
+        from infer.models.loader import load_model
+
+        target = load_model(prepared.target_dir, dtype=dtype, device=state.device)
+        heads = F.target_heads(target)
+    else:
+        heads = F.load_target_heads(prepared.target_dir, dtype, state.device)
+    objective = cls(cfg, heads, prepared.vocab, prepared.target_dir)
+    spec = objective.feature_spec()
+    if mode == "online" or not spec.needs_target:
+        add = F.OnlineFeatures(target, spec) if target is not None else (lambda batch: batch)
+        return objective, Features(F.PlainRows(prepared.dataset), add, heads)
+    cache = Path(cfg.features.cache_dir or cfg.run_dir / "features")
+    F.build_feature_cache(prepared.target_dir, prepared.dataset, spec, cache,
+                          dtype=cfg.features.dtype, rows_per_shard=cfg.features.rows_per_shard,
+                          batch_size=cfg.features.batch_size, device=state.device,
+                          target_dtype=dtype, rank=state.process_index,
+                          world_size=state.num_processes, barrier=state.wait_for_everyone)
+    return objective, Features(F.CachedFeatureRows(cache, prepared.dataset), lambda b: b, heads)
+
+
+def stage2(cfg: TrainConfig, prepared: PreparedData, state) -> PreparedData:
+    """Stage-2 data: the same prompts, answered by the target itself (MLP speculator recipe)."""
+    from transformers import AutoTokenizer
+
+    with state.main_process_first():
+        raw = regenerated(cfg, prepared.target_dir, prepared.raw, "stage2_data")
+        ds = tokenize(cfg, raw, AutoTokenizer.from_pretrained(prepared.target_dir))
+    return dataclasses.replace(prepared, dataset=ds, raw=raw)
+
+
+@dataclass
+class RunResult:
+    final_dir: Path
+    train: object  # train.trainer.TrainResult of the last stage
+    report: object = None  # infer.harness.HarnessReport (None when eval is off / not rank 0)
+
+
+def run(cfg: TrainConfig) -> RunResult:
+    """``python train.py``: every stage, then the acceptance report."""
+    from accelerate import PartialState
+    from accelerate.utils import set_seed
+    from transformers import AutoTokenizer
+
+    from infer.tracking import make_logger
+    from train.evaluate import evaluate
+    from train.trainer import train
+
+    state = PartialState(cpu=cfg.trainer.device == "cpu")
+    set_seed(cfg.seed)
+    with state.main_process_first():
+        target_dir = resolve_target(cfg)
+        prepared = prepare_data(cfg, target_dir)
+    print(f"target: {target_dir}\ndraft vocabulary: {prepared.vocab.draft_vocab_size} tokens "
+          f"-> {prepared.data_dir}")
+    pad_id = pad_token_id(AutoTokenizer.from_pretrained(target_dir))
+    objective, feats = build_objective(cfg, prepared, state)
+    logger = make_logger(cfg.logger.kind, rank=state.process_index, project=cfg.logger.project,
+                         name=cfg.logger.run_name or cfg.name, config=dataclasses.asdict(cfg),
+                         dir=cfg.run_dir, mode=cfg.logger.mode, job_type="train")
+    two_stage = cfg.objective.stage2_steps > 0
+    try:
+        result = train(cfg, objective, feats.rows, feats.add, pad_id=pad_id, run_dir=cfg.run_dir,
+                       final_dir=None if two_stage else cfg.final_dir, logger=logger)
+        if two_stage:
+            data2 = stage2(cfg, prepared, state)
+            cfg2 = dataclasses.replace(cfg, trainer=dataclasses.replace(
+                cfg.trainer, max_steps=cfg.objective.stage2_steps, warmup_steps=0,
+                warmup_ratio=0.0))
+            result = train(cfg2, objective, type(feats.rows)(data2.dataset), feats.add,
+                           pad_id=pad_id, run_dir=cfg.run_dir, final_dir=cfg.final_dir,
+                           logger=logger, stage="stage2")
+        report = None
+        if cfg.eval.enabled and state.is_main_process:
+            k = max(cfg.eval.ks)
+            report = evaluate(cfg, target_dir, objective.speculative_config(cfg.final_dir, k), logger,
+                     step=result.step, device=cfg.trainer.device)
+    finally:
+        logger.finish()
+    print(f"final drafter: {cfg.final_dir}")
+    return RunResult(cfg.final_dir, result, report)

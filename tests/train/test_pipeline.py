@@ -49,7 +49,7 @@ def test_data_stage_writes_dataset_and_vocab(tmp_path, target_dir):
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     dcfg = compose_train([f"output_dir={tmp_path / 'out'}", f"target.path={target_dir}",
-                          f"data.source={data}", "data.max_length=64", "draft_vocab_size=50"])
+                          f"data.source={data}", "data.max_length=64", "drafter.draft_vocab_size=50"])
     cfg: TrainConfig = OmegaConf.to_object(dcfg)
     prepared = prepare_data(cfg)
     assert prepared.data_dir == tmp_path / "out" / "tiny_eagle3" / "data"

@@ -131,9 +131,14 @@ class Objective(nn.Module, ABC):
         ZeRO-3 / FSDP shard parameters); None = this module's own parameters.
         """
 
+    @classmethod
+    def served_config(cls, path: str | Path) -> dict:
+        """The ``speculative_config`` (without k) that serves an exported drafter at ``path``
+        (the method name by default; PARD overrides it: draft_model + parallel_drafting)."""
+        return {"method": cls.name, "model": str(path)}
+
     def speculative_config(self, path: str | Path, k: int) -> dict:
-        """The engine's ``speculative_config`` that serves the exported drafter at ``path``."""
-        return {"method": self.name, "model": str(path), "num_speculative_tokens": k}
+        return {**self.served_config(path), "num_speculative_tokens": k}
 
     def drafter_state(self, state_dict: dict[str, Tensor] | None) -> dict[str, Tensor]:
         """``drafter.*`` entries of an objective state dict, prefix removed."""
