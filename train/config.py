@@ -122,8 +122,9 @@ class TrainerConfig:
     mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
     log_every: int = 10
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
-    keep_last: int = 2
-    resume: str = "auto"  # auto (latest checkpoint if any) | never | PATH
+    keep_last: int = 2  # checkpoints kept per stage; 0 keeps all
+    resume: str = "auto"  # auto: the latest checkpoint of the same stage, if any; never: delete
+    # that stage's old checkpoints and start over; PATH: that checkpoint
     num_workers: int = 0
     device: str = "auto"  # auto | cpu | cuda (accelerate picks the rank's GPU)
 

@@ -196,9 +196,9 @@ def run(cfg: TrainConfig) -> RunResult:
 
     from infer.tracking import make_logger
     from train.evaluate import evaluate
-    from train.trainer import train
+    from train.trainer import train, use_cpu
 
-    state = PartialState(cpu=cfg.trainer.device == "cpu")
+    state = PartialState(cpu=use_cpu(cfg.trainer))
     set_seed(cfg.seed)
     with state.main_process_first():
         target_dir = resolve_target(cfg)
@@ -214,6 +214,7 @@ def run(cfg: TrainConfig) -> RunResult:
     try:
         result = train(cfg, objective, feats.rows, feats.add, pad_id=pad_id, run_dir=cfg.run_dir,
                        final_dir=None if two_stage else cfg.final_dir, logger=logger)
+        step = result.step
         if two_stage:
             data2 = stage2(cfg, prepared, state)
             cfg2 = dataclasses.replace(cfg, trainer=dataclasses.replace(
@@ -222,11 +223,12 @@ def run(cfg: TrainConfig) -> RunResult:
             result = train(cfg2, objective, type(feats.rows)(data2.dataset), feats.add,
                            pad_id=pad_id, run_dir=cfg.run_dir, final_dir=cfg.final_dir,
                            logger=logger, stage="stage2")
+            step += result.step  # W&B steps must not go backwards
         report = None
         if cfg.eval.enabled and state.is_main_process:
             k = max(cfg.eval.ks)
             report = evaluate(cfg, target_dir, objective.speculative_config(cfg.final_dir, k), logger,
-                     step=result.step, device=cfg.trainer.device)
+                     step=step, device=cfg.trainer.device)
     finally:
         logger.finish()
     print(f"final drafter: {cfg.final_dir}")
