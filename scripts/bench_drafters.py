@@ -99,7 +99,7 @@ def render(args, train_rows, report) -> str:
     cmd = "python scripts/bench_drafters.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if k not in ("record", "retrain") and v not in (None,))
-    lines = [f"## Trained drafters on the tiny target (CPU)", "",
+    lines = ["## Trained drafters on the tiny target (CPU)", "",
              f"`{cmd}` on {platform.machine()}, {torch.get_num_threads()} threads, torch "
              f"{torch.__version__}, {time.strftime('%Y-%m-%d')}. Greedy, batch 1, held-out "
              "code prompts, ignore_eos.", "",

@@ -9,7 +9,6 @@ at the same batch size) is what ``results.json`` / W&B get, from ``infer.harness
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from infer.harness import HarnessConfig, HarnessReport, load_prompts, render_prompt, run_harness

@@ -1,17 +1,39 @@
-"""Target features for drafter training: online capture (frozen target forward inside the step).
+"""Target features for drafter training: online capture or an offline safetensors cache.
 
 ``capture(target, batch, spec)`` runs the frozen native target (``infer.models.load_model``) over
 a packed batch with the block-diagonal document mask and adds what the objective's
 ``FeatureSpec`` asks for (``aux`` and / or ``hidden``; see ``train/objectives/base.py``).
+
+Online mode runs it inside every step (``OnlineFeatures``). Offline mode runs it once over the
+whole dataset (``build_feature_cache``: sharded, resumable, split across ranks) and trains from
+``CachedFeatureRows`` with only the target's heads in memory (``load_target_heads``).
+``make_feature_source`` picks between them from the train config.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import datasets
+import numpy as np
 import torch
-from torch import Tensor
+from safetensors import safe_open
+from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from infer.models.llama import Llama
-from train.data import document_attention_mask
+from infer.models.loader import (load_config, load_model, native_name, resolve_dtype,
+                                 resolve_model_dir, weight_files)
+from infer.validation import config_error
+from train.data import collate, document_attention_mask
 from train.objectives.base import FeatureSpec, TargetHeads
 
 
@@ -45,3 +67,407 @@ class OnlineFeatures:
 
     def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         return capture(self.target, batch, self.spec)
+
+
+# ============================================================================= frozen heads
+
+def load_target_heads(target_dir: str | Path, dtype: str | torch.dtype = "auto",
+                      device: str | torch.device = "cpu") -> TargetHeads:
+    """Only the target's token embedding and LM head, frozen (tied checkpoints: one tensor).
+
+    Offline training needs nothing else from the target, and reading just these two tensors
+    from the safetensors headers keeps an 8B target (16 GB) down to its heads (~2 GB).
+    ``dtype``: ``auto`` = the checkpoint's own dtype (as ``load_model``).
+    """
+    model_dir = resolve_model_dir(target_dir)
+    config = load_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, json.loads((model_dir / "config.json").read_text()))
+    wanted = {"embed_tokens.weight"} | ({"lm_head.weight"} if not config.tie_word_embeddings
+                                        else set())
+    found: dict[str, Tensor] = {}
+    for file in weight_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                if native_name(hf_name) in wanted:
+                    found[native_name(hf_name)] = f.get_tensor(hf_name).to(device, torch_dtype)
+    if set(found) != wanted:
+        raise ValueError(f"checkpoint {model_dir}: missing {sorted(wanted - set(found))} "
+                         f"(expected the embedding and, untied, the LM head)")
+    embed = nn.Embedding.from_pretrained(found["embed_tokens.weight"], freeze=True)  # [V, H]
+    with torch.device("meta"):
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    lm_head.weight = embed.weight if config.tie_word_embeddings else nn.Parameter(
+        found["lm_head.weight"], requires_grad=False)  # [V, H]
+    return TargetHeads(config, embed, lm_head)
+
+
+# ============================================================================= offline cache
+#
+# <cache_dir>/shard_00000.safetensors ...  features of rows [i * rows_per_shard, ...):
+#     "aux" [n, T, len(aux_layer_ids) * H], "hidden" [n, T, H] (storage dtype); __metadata__:
+#     format, fingerprint (JSON), start, stop, rows_sha (digest of the rows' token/position/doc
+#     ids, what the features depend on)
+# <cache_dir>/index.json  written last (rank 0): format, fingerprint, dims, shards [{file, start,
+#     stop, bytes, rows_sha}]. No index = incomplete cache.
+
+FORMAT_VERSION = 1
+ROW_COLUMNS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
+FEATURE_KEYS = ("aux", "hidden")
+STORAGE_DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
+                  "float32": (torch.float32, "F32")}
+
+
+def _seq_len(dataset: datasets.Dataset) -> int:
+    """T of packed fixed-length rows; the cache stores ``[n, T, D]`` blocks, so it needs them."""
+    missing = [c for c in ("input_ids", "position_ids", "doc_ids") if c not in dataset.column_names]
+    T = getattr(dataset.features.get("input_ids"), "length", -1)
+    if missing or T is None or T < 1:
+        raise ValueError(f"features.mode=offline needs packed fixed-length rows (data.pack=true); "
+                         f"dataset columns {dataset.column_names}, input_ids length {T}")
+    return int(T)
+
+
+def _rows_digest(dataset: datasets.Dataset, rows) -> str:
+    """sha256 of the ids the features depend on (tokens, positions, documents) of ``rows``."""
+    view = dataset.with_format("numpy", columns=["input_ids", "position_ids", "doc_ids"])[rows]
+    h = hashlib.sha256()
+    for col in ("input_ids", "position_ids", "doc_ids"):
+        h.update(np.ascontiguousarray(view[col], dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def _dataset_id(dataset: datasets.Dataset) -> dict:
+    """Row count, T and the digest of up to 256 evenly spaced rows (cheap for any size)."""
+    n = len(dataset)
+    sample = sorted({int(i) for i in np.linspace(0, max(n - 1, 0), min(n, 256))})
+    return {"num_rows": n, "seq_len": _seq_len(dataset),
+            "rows_sha": _rows_digest(dataset, sample) if n else ""}
+
+
+def cache_fingerprint(target_dir: str | Path, dataset: datasets.Dataset, spec: FeatureSpec,
+                      dtype: str, target_dtype: str | torch.dtype, rows_per_shard: int) -> dict:
+    """What the cached features depend on; any difference makes an existing cache invalid.
+
+    The dataset is identified by its content (row count, T, digest of up to 256 evenly spaced
+    rows; each shard also carries its own rows' digest), not by ``Dataset._fingerprint``, which is
+    random whenever a map function cannot be hashed and would break resuming. The target is
+    identified by its config.json hash and weight file sizes; its path is recorded (``target``)
+    but not compared, so a moved or re-downloaded copy of the same target reuses the cache.
+    """
+    model_dir = resolve_model_dir(target_dir)
+    hf_bytes = (model_dir / "config.json").read_bytes()
+    return {
+        "format": FORMAT_VERSION, "target": str(model_dir.resolve()),
+        "target_config_sha": hashlib.sha256(hf_bytes).hexdigest(),
+        "target_weights": {p.name: p.stat().st_size for p in weight_files(model_dir)},
+        "target_dtype": str(resolve_dtype(target_dtype, json.loads(hf_bytes))).removeprefix(
+            "torch."),
+        "aux_layer_ids": list(spec.aux_layer_ids), "hidden": bool(spec.hidden),
+        **_dataset_id(dataset), "dtype": dtype, "rows_per_shard": int(rows_per_shard)}
+
+
+def _check_fingerprint(cached: dict, current: dict, cache_dir: Path, where: str,
+                       keys=None) -> None:
+    for key in keys or sorted(set(cached) | set(current)):
+        if key != "target" and cached.get(key) != current.get(key):
+            raise ValueError(
+                f"feature cache {cache_dir} ({where}) was built for a different {key!r}: cache "
+                f"has {cached.get(key)!r}, this run has {current.get(key)!r}. Delete {cache_dir} "
+                "to rebuild it, or set features.cache_dir to another directory")
+
+
+def _feature_dims(spec: FeatureSpec, hidden_size: int) -> dict[str, int]:
+    """Feature name -> D per token (``aux``: the aux layers' residuals concatenated)."""
+    dims = {"aux": len(spec.aux_layer_ids) * hidden_size} if spec.aux_layer_ids else {}
+    return dims | ({"hidden": hidden_size} if spec.hidden else {})
+
+
+def _shard_name(i: int) -> str:
+    return f"shard_{i:05d}.safetensors"
+
+
+class _ShardWriter:
+    """Streams one shard to disk batch by batch.
+
+    A safetensors file is an 8-byte header length, a JSON header and each tensor's raw bytes, so
+    with the shapes known up front every batch goes straight to its offset: a shard never has to
+    fit in memory (an 8B EAGLE-3 target produces ~32 KB per token, 17 GB per 256 x 2048 rows).
+    """
+
+    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]], dtype: str,
+                 metadata: dict[str, str]):
+        torch_dtype, st_dtype = STORAGE_DTYPES[dtype]
+        item = torch_dtype.itemsize
+        header: dict = {"__metadata__": metadata}
+        self.base, self.row_bytes, offset = {}, {}, 0
+        for name, shape in sorted(shapes.items()):
+            nbytes = math.prod(shape) * item
+            header[name] = {"dtype": st_dtype, "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self.base[name], self.row_bytes[name] = offset, math.prod(shape[1:]) * item
+            offset += nbytes
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as safetensors writes it
+        self.start = 8 + len(raw)
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.file.truncate(self.start + offset)
+
+    def write(self, name: str, row: int, t: Tensor) -> None:
+        """``t [b, T, D]`` (storage dtype, CPU) -> rows ``row .. row + b`` of tensor ``name``."""
+        self.file.seek(self.start + self.base[name] + row * self.row_bytes[name])
+        self.file.write(t.contiguous().view(torch.uint8).numpy())  # little-endian raw bytes
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def _shard_ok(path: Path, start: int, stop: int, fp: dict, shapes: dict, rows_sha: str,
+              cache_dir: Path) -> bool:
+    """True = complete, matching shard (skip it); False = absent or unreadable (recompute it).
+    A shard built for a different fingerprint or different rows raises instead."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        cached = json.loads(meta["fingerprint"])
+    except Exception as err:  # truncated / foreign file: recompute it
+        warnings.warn(f"feature cache: recomputing unreadable shard {path} ({err})")
+        return False
+    _check_fingerprint(cached | {"shard_rows_sha": meta.get("rows_sha")},
+                       fp | {"shard_rows_sha": rows_sha}, cache_dir, path.name)
+    return (found, meta.get("start"), meta.get("stop")) == (shapes, str(start), str(stop))
+
+
+def build_feature_cache(target_dir: str | Path, dataset: datasets.Dataset, spec: FeatureSpec,
+                        cache_dir: str | Path, *, dtype: str = "bfloat16",
+                        rows_per_shard: int = 256, batch_size: int = 4,
+                        device: str | torch.device = "cpu",
+                        target_dtype: str | torch.dtype = "auto", rank: int = 0,
+                        world_size: int = 1, progress: bool = True,
+                        barrier: Callable[[], None] | None = None) -> Path:
+    """Precompute the target features of every packed row into ``cache_dir`` (layout above).
+
+    Resumable: shards are written atomically and complete matching ones are skipped, so rerunning
+    after an interruption computes only the missing shards (the target is not even loaded when
+    none is missing). Shard i is computed by rank ``i % world_size``; after ``barrier()`` rank 0
+    writes ``index.json``, then every rank waits at a second ``barrier()``. Returns the cache dir.
+    """
+    if not spec.needs_target:
+        raise ValueError(f"build_feature_cache: {spec} asks for no target features")
+    if dtype not in STORAGE_DTYPES:
+        raise config_error("features.dtype", dtype, f"one of {', '.join(STORAGE_DTYPES)}")
+    for key, value in (("features.rows_per_shard", rows_per_shard),
+                       ("features.batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise config_error(key, value, "an integer >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    cache, barrier = Path(cache_dir), barrier or (lambda: None)
+    cache.mkdir(parents=True, exist_ok=True)
+    fp = cache_fingerprint(target_dir, dataset, spec, dtype, target_dtype, rows_per_shard)
+    dims = _feature_dims(spec, load_config(target_dir).hidden_size)
+    n, T = fp["num_rows"], fp["seq_len"]
+    if (cache / "index.json").is_file():
+        index = json.loads((cache / "index.json").read_text())
+        _check_fingerprint(index["fingerprint"], fp, cache, "index.json")
+    shards = [(i, a, min(a + rows_per_shard, n)) for i, a in enumerate(range(0, n, rows_per_shard))]
+    todo = [(i, a, b) for i, a, b in shards[rank::world_size] if not _shard_ok(
+        cache / _shard_name(i), a, b, fp, {k: (b - a, T, d) for k, d in dims.items()},
+        _rows_digest(dataset, range(a, b)), cache)]
+    if rank == 0:
+        D, item = sum(dims.values()), STORAGE_DTYPES[dtype][0].itemsize
+        print(f"feature cache {cache}: {n} rows x {T} tokens x {D} features x "
+              f"{item} B = {n * T * D * item / 1e9:.3g} GB in "
+              f"{len(shards)} shards of {rows_per_shard} rows; rank 0 computes {len(todo)}",
+              flush=True)
+    if todo:
+        _compute_shards(target_dir, dataset, spec, cache, todo, dims, fp, dtype=dtype,
+                        batch_size=batch_size, device=device, target_dtype=target_dtype,
+                        progress=progress, desc=f"features (rank {rank})")
+    barrier()
+    if rank == 0:
+        _write_index(cache, shards, fp, dims, world_size)
+    barrier()
+    return cache
+
+
+def _compute_shards(target_dir, dataset, spec, cache: Path, todo, dims, fp, *, dtype, batch_size,
+                    device, target_dtype, progress, desc) -> None:
+    """Target forwards (``capture``) over the rows of ``todo`` shards, streamed to disk."""
+    target = load_model(target_dir, dtype=target_dtype, device=device)
+    rows, T, storage = PlainRows(dataset), fp["seq_len"], STORAGE_DTYPES[dtype][0]
+    bar = tqdm(total=sum(b - a for _, a, b in todo), unit="row", desc=desc, disable=not progress)
+    try:
+        for i, a, b in todo:
+            tmp = cache / f".{_shard_name(i)}.tmp-{os.getpid()}"
+            meta = {"format": str(FORMAT_VERSION), "fingerprint": json.dumps(fp, sort_keys=True),
+                    "start": str(a), "stop": str(b),
+                    "rows_sha": _rows_digest(dataset, range(a, b))}
+            writer = _ShardWriter(tmp, {k: (b - a, T, d) for k, d in dims.items()}, dtype, meta)
+            try:
+                for s in range(a, b, batch_size):
+                    e = min(s + batch_size, b)
+                    batch = collate([rows[j] for j in range(s, e)], pad_id=0)  # [B, T] each
+                    out = capture(target, {k: v.to(device) for k, v in batch.items()}, spec)
+                    for k in dims:
+                        writer.write(k, s - a, out[k].to(storage).cpu())  # [B, T, D]
+                    bar.update(e - s)
+                writer.close()
+                os.replace(tmp, cache / _shard_name(i))
+            finally:
+                writer.file.close()
+                tmp.unlink(missing_ok=True)
+    finally:
+        bar.close()
+        del target
+
+
+def _write_index(cache: Path, shards, fp: dict, dims: dict, world_size: int) -> None:
+    """Rank 0, once every rank is done: all shards must exist; ``index.json`` marks completion."""
+    missing = [f"{_shard_name(i)} (rank {i % world_size})" for i, _, _ in shards
+               if not (cache / _shard_name(i)).is_file()]
+    if missing:
+        raise RuntimeError(f"feature cache {cache}: shards missing after every rank finished: "
+                           f"{', '.join(missing)}; rerun to compute them")
+    entries = []
+    for i, a, b in shards:
+        with safe_open(str(cache / _shard_name(i)), framework="pt") as f:
+            rows_sha = (f.metadata() or {}).get("rows_sha")
+        entries.append({"file": _shard_name(i), "start": a, "stop": b, "rows_sha": rows_sha,
+                        "bytes": (cache / _shard_name(i)).stat().st_size})
+    index = {"format": FORMAT_VERSION, "fingerprint": fp, "dims": dims, "shards": entries}
+    tmp = cache / f".index.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, cache / "index.json")
+
+
+# ============================================================================= row datasets
+
+class PlainRows(torch.utils.data.Dataset):
+    """The packed rows' fields as tensors (online mode: the target adds features per batch)."""
+
+    def __init__(self, dataset: datasets.Dataset):
+        self.dataset = dataset.with_format(
+            "torch", columns=[c for c in ROW_COLUMNS if c in dataset.column_names])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return dict(self.dataset[int(i)])  # input_ids / loss_mask / position_ids / doc_ids [T]
+
+
+class CachedFeatureRows(torch.utils.data.Dataset):
+    """Packed rows plus their cached features: item i = ``PlainRows`` fields + ``aux [T, n * H]``
+    / ``hidden [T, H]`` in the cache's storage dtype.
+
+    Features stay in the storage dtype (half the host memory and host->device copies of
+    float32); ``make_feature_source``'s ``add_features`` casts them on the device to the target
+    dtype. Shards are opened lazily with ``safe_open`` (memory-mapped, one row read per item),
+    per process: DataLoader workers reopen them.
+    """
+
+    def __init__(self, cache_dir: str | Path, dataset: datasets.Dataset,
+                 spec: FeatureSpec | None = None):
+        self.cache_dir = cache = Path(cache_dir)
+        index_path = cache / "index.json"
+        if not index_path.is_file():
+            found = sorted(p.name for p in cache.glob("shard_*.safetensors"))
+            raise FileNotFoundError(
+                f"feature cache {cache} is incomplete: no index.json ({len(found)} shard files "
+                "present); run build_feature_cache / train.py with features.mode=offline to finish")
+        index = json.loads(index_path.read_text())
+        fp, current = index["fingerprint"], _dataset_id(dataset)
+        if spec is not None:
+            current |= {"aux_layer_ids": list(spec.aux_layer_ids), "hidden": bool(spec.hidden)}
+        _check_fingerprint(fp, current, cache, "index.json", keys=list(current))
+        missing = [s["file"] for s in index["shards"] if not (cache / s["file"]).is_file()
+                   or (cache / s["file"]).stat().st_size != s["bytes"]]
+        if missing:
+            raise FileNotFoundError(f"feature cache {cache} is incomplete: missing or changed "
+                                    f"shards {', '.join(missing)}; rerun the build to recompute")
+        self.rows, self.index = PlainRows(dataset), index
+        self.rows_per_shard = int(fp["rows_per_shard"])
+        self._open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_open": {}}  # safe_open handles are per process
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        item = self.rows[i]
+        s = int(i) // self.rows_per_shard
+        if s not in self._open:
+            self._open[s] = safe_open(str(self.cache_dir / self.index["shards"][s]["file"]),
+                                      framework="pt")
+        f = self._open[s]
+        for name in f.keys():
+            item[name] = f.get_slice(name)[int(i) - s * self.rows_per_shard]  # [T, D]
+        return item
+
+
+# ============================================================================= factory
+
+class CastFeatures:
+    """Offline ``add_features``: cached features -> the target dtype, on the device (so objectives
+    see exactly the dtypes of online capture)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {k: v.to(self.dtype) if k in FEATURE_KEYS else v for k, v in batch.items()}
+
+
+def _identity(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return batch
+
+
+@dataclass
+class FeatureSource:
+    """Everything the trainer needs about the target: rows, per-batch hook, heads, target."""
+
+    rows: torch.utils.data.Dataset
+    add_features: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    heads: TargetHeads
+    target: Llama | None = None  # loaded only for online capture
+
+
+def make_feature_source(cfg, target_dir: str | Path, dataset: datasets.Dataset,
+                        spec: FeatureSpec | Callable[[TargetHeads], FeatureSpec], *,
+                        device: str | torch.device, rank: int = 0, world_size: int = 1,
+                        barrier: Callable[[], None] | None = None) -> FeatureSource:
+    """Online (target forward per batch) or offline (cache built / resumed here) features.
+
+    The heads are read first (``load_target_heads``), so ``spec`` may be a callable of them:
+    objectives need the heads to be built and only then tell their spec. Online, the loaded
+    target then shares those heads (one copy in memory). A spec without target features loads
+    nothing beyond the heads. ``cfg.target.dtype`` auto = bfloat16 on GPU, float32 on CPU.
+    """
+    mode, device = cfg.features.mode, torch.device(device)
+    if mode not in ("online", "offline"):
+        raise config_error("features.mode", mode, "online or offline", "train config")
+    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else (
+        "bfloat16" if device.type == "cuda" else "float32")
+    heads = load_target_heads(target_dir, dtype, device)
+    spec = spec if isinstance(spec, FeatureSpec) else spec(heads)
+    if not spec.needs_target:
+        return FeatureSource(PlainRows(dataset), _identity, heads)
+    if mode == "online":
+        target = load_model(target_dir, dtype=dtype, device=device)
+        target.embed_tokens, target.lm_head = heads.embed_tokens, heads.lm_head  # same tensors
+        return FeatureSource(PlainRows(dataset), OnlineFeatures(target, spec), heads, target)
+    f = cfg.features
+    cache = build_feature_cache(
+        target_dir, dataset, spec, f.cache_dir or cfg.run_dir / "features", dtype=f.dtype,
+        rows_per_shard=f.rows_per_shard, batch_size=f.batch_size, device=device,
+        target_dtype=dtype, rank=rank, world_size=world_size, barrier=barrier)
+    return FeatureSource(CachedFeatureRows(cache, dataset, spec),
+                         CastFeatures(heads.lm_head.weight.dtype), heads)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import torch
 
 from infer.models.loader import load_config
 from train.config import TrainConfig
@@ -121,54 +120,31 @@ def _save_dataset_atomically(ds: datasets.Dataset, dest: Path) -> None:
 
 # ---- the whole job ---------------------------------------------------------------------------
 
-@dataclass
-class Features:
-    """Rows for the trainer, the per-batch feature hook and the frozen target heads."""
+def build_objective(cfg: TrainConfig, prepared: PreparedData, state):
+    """The method's objective and its feature source (online target or offline cache).
 
-    rows: torch.utils.data.Dataset
-    add: object  # Callable[[dict], dict]
-    heads: object  # TargetHeads
-
-
-def target_dtype(cfg: TrainConfig, device: torch.device) -> str:
-    """``target.dtype`` auto: bf16 on GPU (what the target serves in), fp32 on CPU."""
-    if cfg.target.dtype != "auto":
-        return cfg.target.dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
-def build_objective(cfg: TrainConfig, prepared: PreparedData, state) -> tuple[object, Features]:
-    """The method's objective and its feature source (online target or offline cache)."""
-    from train import features as F
+    The heads are loaded first (the objective is built on them), then the objective tells which
+    features it needs (``train.features.make_feature_source`` takes the spec as a callable).
+    """
     from train.objectives.base import get_objective
 
     cls = get_objective(cfg.drafter.method)
-    dtype = target_dtype(cfg, state.device)
-    mode = cfg.features.mode
-    if mode not in ("online", "offline"):
-        from infer.validation import config_error
+    built = []
 
-        raise config_error("features.mode", mode, "online or offline", "train config")
-    target = None
-    if mode == "online":
-        from infer.models.loader import load_model
+    def spec(heads):
+        built.append(cls(cfg, heads, prepared.vocab, prepared.target_dir))
+        return built[0].feature_spec()
 
-        target = load_model(prepared.target_dir, dtype=dtype, device=state.device)
-        heads = F.target_heads(target)
-    else:
-        heads = F.load_target_heads(prepared.target_dir, dtype, state.device)
-    objective = cls(cfg, heads, prepared.vocab, prepared.target_dir)
-    spec = objective.feature_spec()
-    if mode == "online" or not spec.needs_target:
-        add = F.OnlineFeatures(target, spec) if target is not None else (lambda batch: batch)
-        return objective, Features(F.PlainRows(prepared.dataset), add, heads)
-    cache = Path(cfg.features.cache_dir or cfg.run_dir / "features")
-    F.build_feature_cache(prepared.target_dir, prepared.dataset, spec, cache,
-                          dtype=cfg.features.dtype, rows_per_shard=cfg.features.rows_per_shard,
-                          batch_size=cfg.features.batch_size, device=state.device,
-                          target_dtype=dtype, rank=state.process_index,
-                          world_size=state.num_processes, barrier=state.wait_for_everyone)
-    return objective, Features(F.CachedFeatureRows(cache, prepared.dataset), lambda b: b, heads)
+    source = feature_source(cfg, prepared, state, spec)
+    return built[0], source
+
+
+def feature_source(cfg: TrainConfig, prepared: PreparedData, state, spec):
+    from train.features import make_feature_source
+
+    return make_feature_source(cfg, prepared.target_dir, prepared.dataset, spec,
+                               device=state.device, rank=state.process_index,
+                               world_size=state.num_processes, barrier=state.wait_for_everyone)
 
 
 def stage2(cfg: TrainConfig, prepared: PreparedData, state) -> PreparedData:
@@ -212,23 +188,27 @@ def run(cfg: TrainConfig) -> RunResult:
                          dir=cfg.run_dir, mode=cfg.logger.mode, job_type="train")
     two_stage = cfg.objective.stage2_steps > 0
     try:
-        result = train(cfg, objective, feats.rows, feats.add, pad_id=pad_id, run_dir=cfg.run_dir,
-                       final_dir=None if two_stage else cfg.final_dir, logger=logger)
+        result = train(cfg, objective, feats.rows, feats.add_features, pad_id=pad_id,
+                       run_dir=cfg.run_dir, final_dir=None if two_stage else cfg.final_dir,
+                       logger=logger)
         step = result.step
         if two_stage:
-            data2 = stage2(cfg, prepared, state)
-            cfg2 = dataclasses.replace(cfg, trainer=dataclasses.replace(
-                cfg.trainer, max_steps=cfg.objective.stage2_steps, warmup_steps=0,
-                warmup_ratio=0.0))
-            result = train(cfg2, objective, type(feats.rows)(data2.dataset), feats.add,
-                           pad_id=pad_id, run_dir=cfg.run_dir, final_dir=cfg.final_dir,
-                           logger=logger, stage="stage2")
+            cfg2 = dataclasses.replace(
+                cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=cfg.objective.stage2_steps,
+                                                 warmup_steps=0, warmup_ratio=0.0),
+                features=dataclasses.replace(cfg.features, cache_dir=(
+                    f"{cfg.features.cache_dir or cfg.run_dir / 'features'}_stage2")))
+            feats = feature_source(cfg2, stage2(cfg, prepared, state), state,
+                                   objective.feature_spec())
+            result = train(cfg2, objective, feats.rows, feats.add_features, pad_id=pad_id,
+                           run_dir=cfg.run_dir, final_dir=cfg.final_dir, logger=logger,
+                           stage="stage2")
             step += result.step  # W&B steps must not go backwards
         report = None
         if cfg.eval.enabled and state.is_main_process:
             k = max(cfg.eval.ks)
-            report = evaluate(cfg, target_dir, objective.speculative_config(cfg.final_dir, k), logger,
-                     step=step, device=cfg.trainer.device)
+            report = evaluate(cfg, target_dir, objective.speculative_config(cfg.final_dir, k),
+                              logger, step=step, device=cfg.trainer.device)
     finally:
         logger.finish()
     print(f"final drafter: {cfg.final_dir}")

@@ -1,0 +1,340 @@
+"""PARD objective (REFERENCE section 6): adapt a small causal LM into a parallel drafter.
+
+Serving feeds ``[context..., last token, MASK x (k-1)]`` and reads k drafts off the last k
+logits. Training teaches every mask count at once: each packed row (``T`` tokens) is repeated
+``k = objective.pard_k`` times, copy 0 holding the real tokens and copies ``1..k-1`` only MASK,
+with the position ids repeated per copy. Query ``(copy j, index t)`` sees
+
+* copy 0 (real tokens) at indices ``<= t - j``, and
+* copies ``j' = 1..j`` on its own diagonal, index ``t - j + j'`` (itself included),
+
+all within its document, and predicts token ``t + 1``: the last real token it sees is
+``t - j``, so it is draft ``j + 1`` — exactly the layout of the serving input, where mask ``j'``
+sits at index ``t - j + j'`` with that index's position id. It is trained where
+``loss_mask[t + 1]``, ``t + 1`` in the document of ``t`` and ``t - j`` not before the document
+start (at least one real token of context, as in serving).
+
+Conditional drop-token (COD): copy ``i`` keeps ``int(T * max(cod_ratio ** i, cod_min))``
+positions (fewer only if its predecessor has fewer successors inside the row), drawn uniformly among those whose predecessor on the diagonal (copy ``i - 1`` at
+index ``t - 1``) was kept; copy 0 keeps all. Dropped positions are cut out of the sequence (the
+kept indices are gathered and the mask restricted to them), so a kept query still sees every key
+it would see without dropping (its diagonal chain is kept by construction). With k = 8 the
+sequence holds ``sum_i max(0.7^i, 0.2) ~ 3.4`` copies' worth of positions instead of 8 (and the
+attention, quadratic in length, shrinks more: the paper's ~3x). The selection is shared by the rows of a
+micro-batch (one rectangular sequence) and applied only in training mode; in eval mode all
+positions are kept.
+
+Conventions checked against AMD's PARD training code (``pard/pard_train.py``): the same mask,
+position ids and COD (counts relative to ``T``, nested via the predecessor at ``t - 1``), one
+token-mean CE over all copies. Deliberate differences: PARD also trains copy ``j`` at ``t = j - 1``
+(no real context at all, and its diagonal wraps into the previous copy); here such positions
+are not trained and nothing wraps. Documents of a packed row never see each other here.
+
+Mask token: ``drafter.mask_token_id``; else a ``pard_token`` / ``mask_token_id`` /
+``ptd_token_id`` already in the draft's config.json (a PARD checkpoint being trained further);
+else the highest token id never seen as a training target (``DraftVocab.counts == 0``) that is
+not a special (eos / bos / pad) id. Real vocabularies keep their unused reserved tokens at the
+top (Llama-3's ``<|reserved_special_token_*|>``, Qwen's padded rows), which is what PARD uses;
+the mask's embedding is trained with the rest of the draft. Written to the export as
+``pard_token`` (what vLLM and draftsmith's draft_model proposer read).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from infer.drafters.common import write_checkpoint
+from infer.models.llama import Llama
+from infer.models.loader import load_config, load_model, resolve_dtype
+from infer.proposers.draft_model import MASK_KEYS
+from infer.validation import config_error
+from train.objectives.base import FeatureSpec, LossOutput, Objective, register
+
+_WHERE = "train config"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+# ---- the repeated sequence ---------------------------------------------------------------------
+
+def cod_selection(t: int, k: int, ratio: float = 1.0, minimum: float = 1.0,
+                  generator: torch.Generator | None = None) -> list[Tensor]:
+    """Kept indices per copy (sorted int64 ``[n_i]``; see the module doc). ``ratio = minimum = 1``
+    keeps every position that has a kept predecessor (copy i: indices ``i .. T-1``)."""
+    kept = [torch.arange(t)]
+    for i in range(1, k):
+        cand = kept[-1] + 1  # successors on the diagonal of the previous copy's kept positions
+        cand = cand[cand < t]
+        n = min(int(t * max(ratio ** i, minimum)), cand.numel())
+        pick = cand[torch.randperm(cand.numel(), generator=generator)[:n]]
+        kept.append(pick.sort().values)
+    return kept
+
+
+@dataclass
+class PardBatch:
+    """One micro-batch laid out for the drafter; ``N`` = kept positions over all copies."""
+
+    input_ids: Tensor  # int64 [B, N]: real tokens in copy 0, MASK elsewhere
+    position_ids: Tensor  # int64 [B, N]: the row's position id at each index
+    attention_mask: Tensor  # bool [B, 1, N, N], True = may attend
+    targets: Tensor  # int64 [B, N]: token index + 1 (0 where there is none)
+    valid: Tensor  # bool [B, N]: trained positions
+    copy: Tensor  # int64 [N]: copy of each position
+    index: Tensor  # int64 [N]: index in the row of each position
+
+
+def pard_batch(batch: dict[str, Tensor], k: int, mask_id: int,
+               keep: list[Tensor] | None = None) -> PardBatch:
+    """The k-copy sequence of ``batch`` (``input_ids``, ``position_ids``, ``doc_ids``,
+    ``loss_mask`` ``[B, T]``) restricted to ``keep`` (indices per copy; None = all)."""
+    ids, doc = batch["input_ids"], batch["doc_ids"]  # [B, T]
+    t, device = ids.shape[1], ids.device
+    keep = keep if keep is not None else [torch.arange(t)] * k
+    if len(keep) != k:
+        raise ValueError(f"pard_batch: keep has {len(keep)} copies, expected k={k}")
+    copy = torch.cat([torch.full((len(x),), c, dtype=torch.long) for c, x in enumerate(keep)])
+    index = torch.cat(list(keep)).long()
+    copy, index = copy.to(device), index.to(device)  # [N], [N]
+    qc, qt, kc, ks = copy[:, None], index[:, None], copy[None, :], index[None, :]
+    visible = (((kc == 0) & (ks <= qt - qc))  # real tokens up to t - j
+               | ((kc >= 1) & (kc <= qc) & (ks == qt - qc + kc)))  # masks on the diagonal
+    d = doc[:, index]  # [B, N]
+    mask = visible & (d[:, :, None] == d[:, None, :])  # [B, N, N]
+    nxt = (index + 1).clamp(max=t - 1)  # [N]
+    anchor = index - copy  # [N]: the last real token the query sees
+    valid = ((index + 1 < t) & (anchor >= 0) & batch["loss_mask"].bool()[:, nxt]
+             & (doc[:, nxt] == d) & (doc[:, anchor.clamp(min=0)] == d))  # [B, N]
+    inputs = torch.where(copy == 0, ids[:, index], torch.full_like(ids[:, index], mask_id))
+    return PardBatch(inputs, batch["position_ids"][:, index], mask[:, None],
+                     torch.where(index + 1 < t, ids[:, nxt], 0), valid, copy, index)
+
+
+# ---- the objective -----------------------------------------------------------------------------
+
+@register("pard")
+class PardObjective(Objective):
+    """Trains a draft causal LM (``drafter.model``, or ``drafter.init_from``: an exported PARD
+    directory) as a parallel drafter; see the module doc. ``objective.pard_k``, ``cod_ratio``,
+    ``cod_min``, ``kd_weight`` (KL to the target's next-token distribution, on top of the CE)."""
+
+    def __init__(self, cfg, heads, vocab, target_dir):
+        super().__init__(cfg, heads, vocab, target_dir)
+        o = cfg.objective
+        if isinstance(o.pard_k, bool) or not isinstance(o.pard_k, int) or o.pard_k < 1:
+            raise config_error("objective.pard_k", o.pard_k, "an integer >= 1", _WHERE)
+        for key in ("cod_ratio", "cod_min"):
+            if not 0 < getattr(o, key) <= 1:
+                raise config_error(f"objective.{key}", getattr(o, key), "a number in (0, 1]",
+                                   _WHERE)
+        if o.kd_weight < 0:
+            raise config_error("objective.kd_weight", o.kd_weight, "a number >= 0", _WHERE)
+        self.k, self.kd_weight = o.pard_k, float(o.kd_weight)
+        self.source_dir = resolve_draft_dir(cfg.drafter.init_from or cfg.drafter.model,
+                                            "drafter.init_from" if cfg.drafter.init_from
+                                            else "drafter.model", target_dir)
+        self.source_config = json.loads((self.source_dir / "config.json").read_text())
+        draft_vocab = load_config(self.source_dir).vocab_size  # checked before loading weights
+        if draft_vocab != heads.config.vocab_size:
+            raise config_error("drafter.model", str(self.source_dir),
+                               f"a causal LM with the target's vocab_size "
+                               f"({heads.config.vocab_size}, same tokenizer); its vocab_size is "
+                               f"{draft_vocab}", _WHERE)
+        self.drafter = trainable(load_model(self.source_dir, dtype=torch.float32))
+        self.mask_token_id = choose_mask_token(cfg.drafter.mask_token_id, self.source_config,
+                                               vocab, heads.config)
+
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(hidden=self.kd_weight > 0)
+
+    @classmethod
+    def served_config(cls, path: str | Path) -> dict:
+        return {"method": "draft_model", "model": str(path), "parallel_drafting": True}
+
+    def draft_logits(self, batch: dict[str, Tensor], keep: list[Tensor] | None = None
+                     ) -> tuple[PardBatch, Tensor]:
+        """The drafter over the k-copy layout: ``(PardBatch, logits [B, N, V])``."""
+        pb = pard_batch(batch, self.k, self.mask_token_id, keep)
+        cfg = self.drafter.config
+        if cfg.sliding_layers and pb.index.numel() > cfg.sliding_window:
+            raise ValueError(f"pard: the draft's sliding_window ({cfg.sliding_window}) is shorter "
+                             f"than the {pb.index.numel()}-token training layout (k copies); "
+                             "lower data.max_length or objective.pard_k")
+        out = self.drafter.forward_train(pb.input_ids, pb.position_ids, pb.attention_mask)
+        return pb, out.logits
+
+    def forward(self, batch: dict[str, Tensor]) -> LossOutput:
+        t = batch["input_ids"].shape[1]
+        o = self.cfg.objective
+        keep = (cod_selection(t, self.k, o.cod_ratio, o.cod_min) if self.training
+                else cod_selection(t, self.k))
+        pb, logits = self.draft_logits(batch, keep)  # [B, N, V]
+        count = pb.valid.sum()
+        ce = F.cross_entropy(logits.float().flatten(0, 1), pb.targets.flatten(),
+                             reduction="none").view_as(pb.targets)  # [B, N]
+        ce_loss = (ce * pb.valid).sum() / count.clamp(min=1)
+        loss, metrics = ce_loss, {"loss/ce": ce_loss.detach()}
+        if self.kd_weight > 0:
+            kd = self._kd(batch["hidden"], pb, logits)  # [B, N]
+            kd_loss = (kd * pb.valid).sum() / count.clamp(min=1)
+            metrics["loss/kd"] = kd_loss.detach()
+            loss = loss + self.kd_weight * kd_loss
+        with torch.no_grad():
+            metrics.update(self._accuracy(pb, logits.argmax(dim=-1) == pb.targets,
+                                          ce.detach(), t))
+        return LossOutput(loss, metrics, count)
+
+    def _kd(self, hidden: Tensor, pb: PardBatch, logits: Tensor) -> Tensor:
+        """``KL(target || draft)`` per position ``[B, N]``; the target's distribution for token
+        ``t + 1`` is ``lm_head(hidden_t)``."""
+        lm = self.heads.lm_head
+        with torch.no_grad():
+            h = hidden[:, pb.index]  # [B, N, H]
+            target_logp = F.log_softmax(lm(h.to(lm.weight.dtype)).float(), dim=-1)  # [B, N, V]
+        logq = F.log_softmax(logits.float(), dim=-1)
+        return (target_logp.exp() * (target_logp - logq)).sum(-1)
+
+    def _accuracy(self, pb: PardBatch, right: Tensor, ce: Tensor, t: int) -> dict[str, Tensor]:
+        """``acc_j`` / ``loss/copy_j`` per copy, ``full_acc_j`` (drafts 1..j+1 all right, from
+        the same context: copy j' at ``t - j + j'``) and ``acceptance_length_est``. Dense index
+        arithmetic only (no boolean indexing): no host sync."""
+        b = right.shape[0]
+        dense = right.new_zeros(self.k, b, t)  # [k, B, T]; dropped positions count as wrong
+        dense[pb.copy, :, pb.index] = right.T
+        for j in range(1, self.k):  # chain: copy j at t needs copy j-1 at t - 1 right
+            dense[j] &= F.pad(dense[j - 1], (1, 0))[:, :t]
+        full = dense[pb.copy, :, pb.index].T  # [B, N]
+        per_copy = pb.valid[:, :, None] & F.one_hot(pb.copy, self.k).bool()  # [B, N, k]
+        count = per_copy.sum((0, 1)).clamp(min=1)  # [k]
+        loss = (ce[:, :, None] * per_copy).sum((0, 1)) / count  # [k]
+        acc = (right[:, :, None] & per_copy).sum((0, 1)) / count
+        full_acc = (full[:, :, None] & per_copy).sum((0, 1)) / count
+        out = {}
+        for j in range(self.k):
+            out[f"loss/copy_{j}"], out[f"acc_{j}"] = loss[j], acc[j]
+            out[f"full_acc_{j}"] = full_acc[j]
+        out["acceptance_length_est"] = 1 + full_acc.sum()
+        return out
+
+    def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
+        """A Hugging Face causal-LM directory: the draft's config.json with ``pard_token``,
+        ``model.safetensors`` under HF names (in the draft's original dtype), its tokenizer and
+        generation config. Loads with transformers' AutoModelForCausalLM and, as
+        ``served_config(path)``, in draftsmith's engine / vLLM. Written atomically."""
+        state = self.drafter_state(state_dict)
+        hf_config = {**self.source_config, "pard_token": self.mask_token_id}
+        dtype = resolve_dtype("auto", self.source_config)
+        tied = bool(self.source_config.get("tie_word_embeddings", False))
+        tensors = {hf_name(n): (v.to(dtype) if v.is_floating_point() else v)
+                   for n, v in state.items() if not (tied and n == "lm_head.weight")}
+        extra = [self.source_dir / f for f in ("generation_config.json",)]
+        has_tokenizer = any((self.source_dir / f).is_file()
+                            for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        tok_dir = self.source_dir if has_tokenizer else Path(self.target_dir)
+        extra += [tok_dir / f for f in TOKENIZER_FILES]
+        return write_hf_dir(path, hf_config, tensors, [f for f in extra if f.is_file()])
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def hf_name(native: str) -> str:
+    """Native weight name -> Hugging Face's (inverse of ``infer.models.loader.native_name``)."""
+    return native if native.startswith("lm_head.") else f"model.{native}"
+
+
+def trainable(model: Llama) -> Llama:
+    """A loaded (frozen, projection-fused) model made trainable: every parameter gets its own
+    storage (the fused q/k/v and gate/up views are undone, which the sharded optimizers of
+    DeepSpeed / FSDP need), tied embeddings are re-tied, gradients on, train mode."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(p.detach().clone()))
+        for fused in ("_qkv", "_gate_up"):  # drop the now unused fused copies (memory)
+            if hasattr(module, fused):
+                setattr(module, fused, (None, None))
+    model.tie_weights()
+    return model.requires_grad_(True).train()
+
+
+def resolve_draft_dir(model: str | None, key: str, target_dir: str | Path) -> Path:
+    """The draft LM directory: a local dir, a hub id (downloaded), or None = the embedded tiny
+    draft, which exists only beside the embedded tiny target (it shares that tokenizer)."""
+    if model:
+        if Path(model).expanduser().is_dir():
+            return Path(model).expanduser()
+        from train.pipeline import download
+
+        return Path(download(model, key))
+    from train.tiny_target import default_target_dir, paired_draft_dir
+
+    target = Path(target_dir).expanduser().resolve()
+    if target == default_target_dir().expanduser().resolve():
+        from train.tiny_target_build import ensure_tiny_draft
+
+        return Path(ensure_tiny_draft())
+    paired = paired_draft_dir(target)
+    if (paired / "config.json").is_file():
+        return paired
+    raise config_error(key, None, f"a draft causal LM sharing the tokenizer of {target_dir} (the "
+                       "embedded tiny draft pairs only with the embedded tiny target, and no "
+                       f"{paired} exists)", _WHERE)
+
+
+def choose_mask_token(configured: int | None, draft_config: dict, vocab, target_cfg) -> int:
+    """The mask token id (see the module doc for the order of choices)."""
+    size = target_cfg.vocab_size
+    if configured is not None:
+        if isinstance(configured, bool) or not isinstance(configured, int) \
+                or not 0 <= configured < size:
+            raise config_error("drafter.mask_token_id", configured,
+                               f"a token id in [0, {size})", _WHERE)
+        return configured
+    for key in MASK_KEYS:
+        value = draft_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size:
+            return value
+    special = set(target_cfg.eos_token_ids) | {target_cfg.bos_token_id, target_cfg.pad_token_id}
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = draft_config.get(key)
+        special |= set(value) if isinstance(value, list) else {value}
+    counts = vocab.counts[:size]  # [V]: loss-masked occurrences
+    unseen = [i for i in (counts == 0).nonzero().flatten().tolist() if i not in special]
+    if not unseen:
+        raise config_error("drafter.mask_token_id", None, "a token id for the PARD mask: every "
+                           "non-special token occurs in the training targets, so none can be "
+                           "picked automatically; set drafter.mask_token_id (e.g. a reserved "
+                           "token)", _WHERE)
+    return unseen[-1]
+
+
+def write_hf_dir(path: str | Path, config: dict, tensors: dict[str, Tensor],
+                 files: list[Path]) -> Path:
+    """``write_checkpoint`` plus extra files (tokenizer ...), with its atomicity: a new
+    directory appears in one rename; into an existing one, files are replaced one by one with
+    ``config.json`` last."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{path.name}.stage-", dir=path.parent))
+    try:
+        out = write_checkpoint(stage / "dir", config, tensors)
+        for f in files:
+            shutil.copy2(f, out / f.name)
+        if not path.exists():
+            os.replace(out, path)
+            return path
+        for f in sorted(out.iterdir(), key=lambda p: p.name == "config.json"):
+            os.replace(f, path / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return path
