@@ -161,7 +161,8 @@ class EagleDrafter(PairDrafter):
         x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [B, T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, x.dtype)
         h = gather_rows(self.layers[0](x, cos, sin, mask, step), logits_at)  # [B, K, H]
-        return self.lm_head(h), h
+        # the shared head may be in the target's dtype while a trained head is fp32
+        return self.lm_head(h.to(self.lm_head.weight.dtype)), h
 
     # ---- checkpoint --------------------------------------------------------------------------
 

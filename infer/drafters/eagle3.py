@@ -26,7 +26,8 @@ Checkpoint: ``config.json`` with the speculators keys (:class:`Eagle3Config`) an
 ``layers.0.hidden_norm.weight``), ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``, and
 ``embed_tokens.weight`` only when the drafter has its own embedding (absent -> the target's is
 shared, as vLLM does). ``input_norm.weight`` / ``fc_norm.{i}.weight`` exist only with their flags.
-SGLang's ``midlayer.*`` names are accepted on load; ``verifier_*`` tensors are ignored.
+SGLang's layout (``midlayer.*`` names, its Llama-style ``config.json``: ``from_sglang_dict``)
+is accepted on load; ``verifier_*`` tensors are ignored.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import check_int, config_error
 
 ARCHITECTURE = "Eagle3DraftModel"
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang / SpecForge layout (read only)
 SPECULATORS_VERSION = "0.3.0"
 _WHERE = "eagle3 config.json"
 _IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
@@ -166,7 +168,11 @@ class Eagle3Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
         """Parse a speculators EAGLE-3 ``config.json``; missing optional keys get vLLM's defaults
-        (``norm_before_residual`` True, ``draft_vocab_size`` = the target vocabulary)."""
+        (``norm_before_residual`` True, ``draft_vocab_size`` = the target vocabulary). SGLang's
+        ``LlamaForCausalLMEagle3`` layout is read too (:meth:`from_sglang_dict`)."""
+        if "speculators_model_type" not in d and SGLANG_ARCHITECTURE in (d.get("architectures")
+                                                                         or ()):
+            return cls.from_sglang_dict(d)
         if d.get("speculators_model_type") != "eagle3":
             raise config_error("speculators_model_type", d.get("speculators_model_type"),
                                "'eagle3'", _WHERE)
@@ -196,6 +202,32 @@ class Eagle3Config:
             speculators_version=str(d.get("speculators_version", SPECULATORS_VERSION)),
             extra={k: v for k, v in d.items() if k not in known},
         )
+
+    @classmethod
+    def from_sglang_dict(cls, d: dict) -> "Eagle3Config":
+        """SGLang / SpecForge ``config.json``: a one-layer Llama config + ``draft_vocab_size``,
+        ``target_hidden_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``, where
+        SGLang's id ``j`` is the output of layer ``j`` (this project's id ``j + 1``; absent: the
+        target's default). SGLang's layer keeps the raw ``fc`` output as residual and feeds the
+        pre-norm state back: ``norm_before_residual`` / ``norm_output`` are False."""
+        where = "eagle3 (SGLang LlamaForCausalLMEagle3) config.json"
+        if d.get("bias"):
+            raise config_error("bias", d["bias"], "false (this engine's EAGLE-3 fc has no bias)",
+                               where)
+        eagle = d.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and (not isinstance(ids, list) or any(
+                isinstance(j, bool) or not isinstance(j, int) or j < 0 for j in ids)):
+            raise config_error("eagle_config.eagle_aux_hidden_state_layer_ids", ids,
+                               "a list of layer indices >= 0", where)
+        layer = {k: v for k, v in d.items()
+                 if k not in ("draft_vocab_size", "target_hidden_size", "eagle_config", "bias")}
+        layer.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        return cls(transformer_layer_config=layer,
+                   draft_vocab_size=d.get("draft_vocab_size") or d.get("vocab_size"),
+                   eagle_aux_hidden_state_layer_ids=[j + 1 for j in ids] if ids else None,
+                   target_hidden_size=d.get("target_hidden_size"),
+                   norm_before_residual=False, verifier_architectures=[])
 
     @classmethod
     def for_target(cls, target: ModelConfig, *, draft_vocab_size: int | None = None,

@@ -1,0 +1,95 @@
+"""``python train.py`` end to end on a tiny in-process target: data -> features -> trainer ->
+deployment checkpoint -> acceptance report, for each method and both feature modes."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from infer import LLM, SamplingParams
+from train.config import TrainConfig
+from train.pipeline import run
+
+from .test_config import compose_train
+from .conftest import chat_rows
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in chat_rows(48, seed=3)))
+    return str(path)
+
+
+def make_cfg(tmp_path, target, data, *overrides) -> TrainConfig:
+    base = [f"output_dir={tmp_path}", f"target.path={target}", f"data.source={data}",
+            "data.max_length=128", "drafter.draft_vocab_size=128", "trainer.max_steps=4",
+            "trainer.micro_batch_size=2", "trainer.device=cpu", "logger.kind=none",
+            "eval.num_prompts=2", "eval.max_tokens=8", "eval.ks=[2]", "eval.dataset=" + data,
+            "eval.dataset_split=train"]
+    return OmegaConf.to_object(compose_train(base + list(overrides)))
+
+
+def greedy_lossless(target, spec, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    plain = LLM(target).generate(prompts, params)
+    spec_out = LLM(target, speculative_config=spec).generate(prompts, params)
+    return [o.token_ids for o in plain] == [o.token_ids for o in spec_out]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,extra", [
+    ("tiny_eagle3", ["objective.ttt_steps=2"]),
+    ("tiny_eagle3", ["objective.ttt_steps=2", "features.mode=offline",
+                     "features.dtype=float32", "features.rows_per_shard=4"]),
+    ("tiny_eagle", ["objective.ttt_steps=1"]),
+])
+def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, extra):
+    cfg = make_cfg(tmp_path, train_target, chat_file, f"recipe={recipe}", *extra)
+    final = run(cfg).final_dir
+    assert final == tmp_path / recipe / "final"
+    config = json.loads((final / "config.json").read_text())
+    report = json.loads((tmp_path / recipe / "eval" / "results.json").read_text())
+    assert {r["method"] for r in report["results"]} == {recipe, "ngram"}
+    assert report["lossless"] is True
+    method = "eagle3" if recipe == "tiny_eagle3" else "eagle"
+    if method == "eagle3":
+        assert config["speculators_model_type"] == "eagle3"
+    assert greedy_lossless(train_target, {"method": method, "model": str(final),
+                                          "num_speculative_tokens": 3}, [[5, 6, 7, 8]])
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A 1-layer LM with the target's tokenizer (the same BPE), to adapt into a PARD drafter."""
+    from .conftest import save_train_target
+
+    return save_train_target(tmp_path_factory.mktemp("draft"), layers=1, hidden=32, seed=1)
+
+
+@pytest.mark.slow
+def test_pard_recipe_end_to_end(tmp_path, train_target, chat_file, small_draft):
+    cfg = make_cfg(tmp_path, train_target, chat_file, "recipe=tiny_pard",
+                   f"drafter.model={small_draft}", "objective.pard_k=3")
+    result = run(cfg)
+    config = json.loads((result.final_dir / "config.json").read_text())
+    assert isinstance(config["pard_token"], int)
+    report = json.loads((tmp_path / "tiny_pard" / "eval" / "results.json").read_text())
+    row = next(r for r in report["results"] if r["method"] == "tiny_pard")
+    assert row["speculative_config"]["parallel_drafting"] is True and report["lossless"]
+    assert greedy_lossless(train_target, {"method": "draft_model", "model": str(result.final_dir),
+                                          "parallel_drafting": True,
+                                          "num_speculative_tokens": 3}, [[5, 6, 7, 8]])
+
+
+@pytest.mark.slow
+def test_rerun_resumes_instead_of_retraining(tmp_path, train_target, chat_file):
+    cfg = make_cfg(tmp_path, train_target, chat_file, "objective.ttt_steps=1",
+                   "trainer.save_every=2", "eval.enabled=false")
+    first = run(cfg)
+    weights = (first.final_dir / "model.safetensors").read_bytes()
+    ckpts = sorted(p.name for p in (tmp_path / "tiny_eagle3" / "checkpoints").iterdir())
+    assert ckpts and ckpts[-1].endswith("4")
+    again = run(cfg)  # resume=auto finds step 4 = max_steps: nothing left to train
+    assert again.train.step == first.train.step == 4
+    assert (again.final_dir / "model.safetensors").read_bytes() == weights

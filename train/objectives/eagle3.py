@@ -1,0 +1,164 @@
+"""EAGLE-3 objective: the speculators head of ``infer/drafters/eagle3.py`` trained with the
+training-time-test unroll of ``ttt.py`` against the target's distribution over the draft
+vocabulary (forward KL, REFERENCE section 4).
+
+Per step ``s`` the head's logits over the ``draft_vocab_size`` draft ids are compared with the
+target's logits at ``t + 1 + s`` restricted to the same ids (``lm_head.weight[target_ids]``,
+``[Vd, H]``: only the rows needed, never the full ``[B, T, vocab]``) and renormalised: the head
+can only ever propose draft-vocabulary tokens, so it learns the target's preference among them.
+
+Settings: ``drafter.aux_layer_ids`` (None: ``default_aux_layer_ids(n)``), ``intermediate_size``,
+``norm_before_residual``, ``norm_output``, ``fc_norm``, ``embed_requires_grad`` (own embedding,
+initialised as a copy of the target's and shipped; otherwise the target's is shared, frozen and
+not saved), ``init_from`` (an exported checkpoint to start from); ``objective.ttt_steps``,
+``step_weight``, ``feature_noise``. ``export`` writes the speculators checkpoint vLLM loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from infer.drafters.common import check_names, write_checkpoint
+from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from infer.validation import config_error
+from train.objectives.base import FeatureSpec, register
+from train.objectives.ttt import TTTObjective, forward_kl
+
+_WHERE = "train config"
+DEFAULT_SPECULATIVE_TOKENS = 3  # vLLM's usual chain length; never more than the steps trained
+
+
+def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[int]:
+    """Sorted aux layer ids for an ``num_layers``-layer target (``drafter.aux_layer_ids``).
+
+    Ids are residual streams after ``k`` layers: distinct, in ``[0, n]`` (vLLM captures only
+    ``[1, n - 1]`` and exactly three; the default picks such ids). ``init_ids``: the ids of the
+    ``drafter.init_from`` checkpoint, used when none are configured, else they must agree.
+    """
+    key, n = "drafter.aux_layer_ids", num_layers
+    if configured is None:
+        if init_ids is not None:
+            configured = init_ids
+        else:
+            try:
+                return default_aux_layer_ids(n)
+            except ValueError:
+                raise config_error(key, None, f"explicit ids for this {n}-layer target (the "
+                                   "default [2, n // 2, n - 3] needs n >= 4): distinct layer "
+                                   f"ids in [0, {n}]", _WHERE) from None
+    ids = list(configured)
+    if (not ids or len(set(ids)) != len(ids)
+            or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n for k in ids)):
+        raise config_error(key, ids, f"a non-empty list of distinct layer ids in [0, {n}] for "
+                           f"this {n}-layer target (id k = residual stream after k layers; "
+                           f"vLLM needs three in [1, {n - 1}])", _WHERE)
+    if init_ids is not None and sorted(init_ids) != sorted(ids):
+        raise config_error(key, ids, f"the ids of the drafter.init_from checkpoint "
+                           f"({sorted(init_ids)}) or null", _WHERE)
+    return sorted(ids)
+
+
+@register("eagle3")
+class Eagle3Objective(TTTObjective):
+    """EAGLE-3 head + TTT unroll (module doc); ``self.drafter`` is an ``Eagle3Drafter``."""
+
+    def __init__(self, cfg, heads, vocab, target_dir):
+        super().__init__(cfg, heads, vocab, target_dir)
+        d = cfg.drafter
+        init = Eagle3Drafter.from_pretrained(d.init_from) if d.init_from else None
+        ids = resolve_aux_layer_ids(
+            d.aux_layer_ids, heads.config.num_layers,
+            init.config.eagle_aux_hidden_state_layer_ids if init is not None else None)
+        config = Eagle3Config.for_target(
+            heads.config, draft_vocab_size=vocab.draft_vocab_size, aux_layer_ids=ids,
+            intermediate_size=d.intermediate_size,
+            verifier_name_or_path=cfg.target.path or self.target_dir,  # hub id when given
+            norm_before_residual=bool(d.norm_before_residual), norm_output=bool(d.norm_output),
+            fc_norm=bool(d.fc_norm), embed_requires_grad=bool(d.embed_requires_grad),
+            speculative_tokens=min(self.ttt_steps, DEFAULT_SPECULATIVE_TOKENS))
+        self.drafter = Eagle3Drafter(config)
+        self.drafter.set_vocab(vocab.target_ids())
+        if self.drafter.embed_tokens is not None:  # trained: start from the target's
+            with torch.no_grad():
+                self.drafter.embed_tokens.weight.copy_(heads.embed_tokens.weight)
+        else:
+            self.drafter.share_embedding(heads.embed_tokens)
+        if init is not None:
+            load_init(self.drafter, init, d.init_from)
+
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True)
+
+    # ---- TTT hooks ---------------------------------------------------------------------------
+
+    def features(self, batch: dict[str, Tensor]) -> Tensor:
+        aux = batch["aux"]  # [B, T, n_aux * H_t], sorted id order
+        want = self.drafter.fc.in_features
+        if aux.shape[-1] != want:
+            raise ValueError(f"batch['aux'] has width {aux.shape[-1]}; the eagle3 head expects "
+                             f"{want} (aux layers {list(self.drafter.aux_layer_ids)}); were the "
+                             "features captured for another drafter.aux_layer_ids?")
+        return self.drafter.prepare(self.noisy(aux.to(self.drafter.fc.weight.dtype)))  # [B, T, H]
+
+    def targets(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        head = self.heads.lm_head
+        rows = self.drafter.to_target_ids(
+            torch.arange(self.drafter.config.draft_vocab_size, device=self.drafter.d2t.device))
+        rows = rows.to(head.weight.device)
+        weight = head.weight[rows]  # [Vd, H]: only the draft vocabulary's rows
+        bias = head.bias[rows] if head.bias is not None else None
+        hidden = batch["hidden"].to(weight.dtype)  # [B, T, H]
+        logits = F.linear(hidden, weight, bias).float()  # [B, T, Vd]
+        return {"logp": F.log_softmax(logits, dim=-1)}
+
+    def step_loss(self, step, logits, hidden, targets):
+        target = targets["logp"][:, 1 + step:]  # [B, n, Vd]: the target at t + 1 + step
+        kl = forward_kl(logits, target)  # [B, n]
+        return kl, logits.argmax(-1) == target.argmax(-1), {}
+
+    # ---- export ------------------------------------------------------------------------------
+
+    def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
+        """The speculators checkpoint (``config.json`` + ``model.safetensors``, atomic)."""
+        state = self.drafter_state(state_dict)
+        check_names(path, set(self.drafter.state_dict()), set(state))
+        return write_checkpoint(path, self.drafter.config.to_dict(), state)
+
+
+def load_init(drafter: Eagle3Drafter, init: Eagle3Drafter, path: str) -> None:
+    """Copy ``init``'s weights into ``drafter`` (``drafter.init_from``).
+
+    The draft vocabulary stays the current data's: ``lm_head`` rows are matched by target id
+    (rows of tokens new to the vocabulary keep their fresh init). An embedding is taken only
+    when both have one (otherwise the copy of the target's stays).
+    """
+    for flag in ("norm_before_residual", "norm_output"):  # behaviour flags without weights
+        if getattr(init.config, flag) != getattr(drafter.config, flag):
+            raise config_error(f"drafter.{flag}", getattr(drafter.config, flag),
+                               f"{getattr(init.config, flag)}, as in the drafter.init_from "
+                               f"checkpoint {path}", _WHERE)
+    own, src = drafter.state_dict(), init.state_dict()
+    skip = {"d2t", "t2d", "lm_head.weight", "embed_tokens.weight"}
+    missing, unexpected = set(own) - set(src) - skip, set(src) - set(own) - skip
+    if missing or unexpected:  # other norm flags (fc_norm, norm_before_fc)
+        raise config_error("drafter.init_from", path, "an eagle3 checkpoint with this drafter's "
+                           f"norm flags; it lacks {sorted(missing)[:4]} and has "
+                           f"{sorted(unexpected)[:4]} extra", _WHERE)
+    state = {k: v for k, v in src.items() if k in own and k not in ("d2t", "t2d")}
+    src_ids = init.to_target_ids(torch.arange(init.config.draft_vocab_size))  # [Vs]
+    dst_ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size))  # [Vd]
+    where = torch.full((init.layer_config.vocab_size,), -1, dtype=torch.long)
+    where[src_ids] = torch.arange(src_ids.numel())
+    src_row = where[dst_ids]  # [Vd]: row of the same token in init's head, -1 if absent
+    head = own["lm_head.weight"].clone()
+    head[src_row >= 0] = init.lm_head.weight[src_row[src_row >= 0]].to(head.dtype)
+    state["lm_head.weight"] = head
+    try:
+        drafter.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch: other hidden / intermediate size
+        raise config_error("drafter.init_from", path, f"an eagle3 checkpoint shaped like this "
+                           f"drafter ({e})", _WHERE) from None
