@@ -93,3 +93,32 @@ def test_rerun_resumes_instead_of_retraining(tmp_path, train_target, chat_file):
     again = run(cfg)  # resume=auto finds step 4 = max_steps: nothing left to train
     assert again.train.step == first.train.step == 4
     assert (again.final_dir / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.slow
+def test_mlp_two_stage_recipe_end_to_end(tmp_path, train_target, chat_file):
+    """Stage 1 on the dataset, stage 2 on the target's own answers (regenerated), then eval."""
+    cfg = make_cfg(tmp_path, train_target, chat_file, "recipe=tiny_mlp", "drafter.inner_dim=32",
+                   "objective.stage2_steps=2", "regenerate.num_examples=6",
+                   "regenerate.max_tokens=8")
+    result = run(cfg)
+    run_dir = tmp_path / "tiny_mlp"
+    assert result.train.step == 2  # the last stage's steps
+    assert (run_dir / "checkpoints" / "stage2").is_dir()
+    regenerated = list((run_dir / "stage2_data").glob("chunk_*.jsonl"))
+    assert regenerated and sum(1 for _ in open(regenerated[0])) == 6
+    config = json.loads((result.final_dir / "config.json").read_text())
+    assert config["model_type"] == "mlp_speculator" and config["n_predict"] == 3
+    assert greedy_lossless(train_target, {"method": "mlp_speculator",
+                                          "model": str(result.final_dir)}, [[5, 6, 7, 8]])
+
+
+@pytest.mark.slow
+def test_regenerated_training_data(tmp_path, train_target, chat_file):
+    cfg = make_cfg(tmp_path, train_target, chat_file, "regenerate.enabled=true",
+                   "regenerate.num_examples=5", "regenerate.max_tokens=8", "eval.enabled=false",
+                   "objective.ttt_steps=1")
+    run(cfg)
+    rows = [json.loads(line) for line in
+            open(tmp_path / "tiny_eagle3" / "regenerated" / "chunk_00000.jsonl")]
+    assert len(rows) == 5 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
