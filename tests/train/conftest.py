@@ -81,3 +81,27 @@ def train_data(train_target) -> TrainData:
                          verbose=False)
     vocab = build_draft_vocab(ds, len(tok), 128)
     return TrainData(train_target, ds, vocab, tok)
+
+
+def feature_batches(train_data: TrainData, target, spec, *, rows: int, size: int) -> list[dict]:
+    """The first ``rows`` packed rows in micro-batches of ``size``, with target features."""
+    from train.data import collate, pad_token_id
+    from train.features import capture
+
+    pad = pad_token_id(train_data.tokenizer)
+    data = [train_data.dataset[i] for i in range(min(rows, len(train_data.dataset)))]
+    return [capture(target, collate(data[i:i + size], pad), spec)
+            for i in range(0, len(data), size)]
+
+
+def adam_steps(obj, batches: list[dict], steps: int = 30, lr: float = 3e-3):
+    """A few plain Adam steps on an objective (the trainer is tested on its own); seeded."""
+    torch.manual_seed(0)
+    obj.train()
+    opt = torch.optim.Adam([p for p in obj.parameters() if p.requires_grad], lr=lr)
+    for i in range(steps):
+        out = obj(batches[i % len(batches)])
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return obj.eval()

@@ -14,8 +14,9 @@ from infer.engine import LLM
 from infer.kv_cache import KVCache
 from infer.sampling import SamplingParams
 from train.objectives.ttt import step_valid, ttt_attention_mask
+from ..conftest import adam_steps
 
-from .test_eagle3 import build, make_env, mean_eval_loss, train_steps
+from .test_eagle3 import build, make_env, mean_eval_loss
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def env(train_data):
 def trained(env, train_data):
     obj = build("eagle", env, train_data)
     before = mean_eval_loss(obj, env[2])
-    train_steps(obj, env[2])
+    adam_steps(obj, env[2])
     return obj, before, mean_eval_loss(obj, env[2])
 
 

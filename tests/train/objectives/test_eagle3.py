@@ -15,10 +15,10 @@ from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 from infer.sampling import SamplingParams
 from train.config import TrainConfig
-from train.data import collate, pad_token_id
-from train.features import capture, target_heads
+from train.features import target_heads
 from train.objectives.base import FeatureSpec, get_objective
 from train.objectives.ttt import StepStats, shift_left, step_valid, ttt_attention_mask
+from ..conftest import adam_steps, feature_batches
 
 T_, F_ = True, False
 
@@ -40,10 +40,8 @@ def make_cfg(method: str, **overrides) -> TrainConfig:
 def make_env(train_data):
     """Native target, its heads and every packed row as a captured batch of 4 rows."""
     target = load_model(train_data.target_dir)
-    rows = [train_data.dataset[i] for i in range(len(train_data.dataset))]
-    pad = pad_token_id(train_data.tokenizer)
     spec = FeatureSpec(aux_layer_ids=(1, 2, 3), hidden=True)  # serves both EAGLE heads
-    batches = [capture(target, collate(rows[i:i + 4], pad), spec) for i in range(0, len(rows), 4)]
+    batches = feature_batches(train_data, target, spec, rows=len(train_data.dataset), size=4)
     return target, target_heads(target), batches
 
 
@@ -59,15 +57,6 @@ def mean_eval_loss(obj, batches) -> float:
         return sum(float(obj(b).loss) for b in batches) / len(batches)
 
 
-def train_steps(obj, batches, steps=30, lr=3e-3):
-    obj.train()
-    opt = torch.optim.Adam([p for p in obj.parameters() if p.requires_grad], lr=lr)
-    for i in range(steps):
-        out = obj(batches[i % len(batches)])
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return obj.eval()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +68,7 @@ def env(train_data):
 def trained(env, train_data):
     obj = build("eagle3", env, train_data)
     before = mean_eval_loss(obj, env[2])
-    train_steps(obj, env[2])
+    adam_steps(obj, env[2])
     return obj, before, mean_eval_loss(obj, env[2])
 
 
@@ -263,7 +252,7 @@ def test_own_embedding_is_trained_and_shipped(env, train_data, tmp_path):
     obj = build("eagle3", env, train_data, embed_requires_grad=True)
     emb = obj.drafter.embed_tokens.weight
     assert emb.requires_grad and torch.equal(emb, env[1].embed_tokens.weight)
-    train_steps(obj, env[2], steps=2)
+    adam_steps(obj, env[2], steps=2)
     assert not torch.equal(obj.drafter.embed_tokens.weight, env[1].embed_tokens.weight)
     loaded = Eagle3Drafter.from_pretrained(obj.export(tmp_path / "own"))
     assert loaded.embed_tokens is not None  # no share_embedding needed

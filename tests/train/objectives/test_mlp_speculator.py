@@ -15,6 +15,7 @@ from train.data import collate, pad_token_id
 from train.features import capture, target_heads
 from train.objectives.base import FeatureSpec, get_objective
 from train.objectives.mlp_speculator import MLPSpeculatorObjective, shifted_targets
+from ..conftest import adam_steps, feature_batches
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +26,7 @@ def target(train_target):
 @pytest.fixture(scope="module")
 def batches(train_data, target):
     """Four micro-batches of 4 packed rows with the target's last hidden state."""
-    pad = pad_token_id(train_data.tokenizer)
-    rows = [train_data.dataset[i] for i in range(16)]
-    return [capture(target, collate(rows[i:i + 4], pad), FeatureSpec(hidden=True))
-            for i in range(0, 16, 4)]
+    return feature_batches(train_data, target, FeatureSpec(hidden=True), rows=16, size=4)
 
 
 def make(train_target, target, vocab, **drafter):
@@ -153,14 +151,9 @@ def test_init_from_shape_mismatch_names_key(tmp_path, train_target, target, trai
 
 def test_training_lowers_loss(train_target, target, train_data, batches):
     obj = make(train_target, target, train_data.vocab)
-    opt = torch.optim.Adam(obj.parameters(), lr=3e-3)
     with torch.no_grad():
         before = sum(obj(b).loss.item() for b in batches)
-    for step in range(30):
-        out = obj(batches[step % len(batches)])
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    adam_steps(obj, batches)
     with torch.no_grad():
         after = sum(obj(b).loss.item() for b in batches)
     assert after < 0.8 * before, (before, after)
@@ -179,12 +172,7 @@ def test_engine_greedy_equality(tmp_path, train_target, target, train_data, batc
     batch = capture(target, collate(own, pad_token_id(train_data.tokenizer)),
                     FeatureSpec(hidden=True))
     obj = make(train_target, target, train_data.vocab, scale_input=True)
-    opt = torch.optim.Adam(obj.parameters(), lr=1e-2)
-    for _ in range(60):
-        out = obj(batch)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    adam_steps(obj, [batch], steps=60, lr=1e-2)
     estimate = obj(batch).metrics["acceptance_length_est"].item()
     path = obj.export(tmp_path / "mlp")
     llm = LLM(train_target, speculative_config=obj.speculative_config(path, 3), max_num_seqs=3)

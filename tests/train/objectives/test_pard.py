@@ -16,10 +16,11 @@ from infer import LLM, SamplingParams
 from infer.models.loader import load_config, load_model
 from train.config import TrainConfig
 from train.data import collate, pad_token_id
-from train.features import capture, target_heads
+from train.features import target_heads
 from train.objectives.base import FeatureSpec, get_objective
 from train.objectives.pard import PardObjective, choose_mask_token, cod_selection, pard_batch
 from train.vocab import DraftVocab
+from ..conftest import adam_steps, feature_batches
 
 M = 99  # mask id in the layout tests
 
@@ -50,10 +51,7 @@ def draft_dir(tmp_path_factory, train_target):
 
 @pytest.fixture(scope="module")
 def batches(train_data, target):
-    pad = pad_token_id(train_data.tokenizer)
-    rows = [train_data.dataset[i] for i in range(12)]
-    return [capture(target, collate(rows[i:i + 3], pad), FeatureSpec(hidden=True))
-            for i in range(0, 12, 3)]
+    return feature_batches(train_data, target, FeatureSpec(hidden=True), rows=12, size=3)
 
 
 def make(train_target, target, vocab, model, k=3, **settings):
@@ -270,23 +268,13 @@ def test_kd_adds_target_kl(train_target, target, train_data, draft_dir, batches)
                                             rel=1e-5)
 
 
-def train_steps(obj, batches, steps, lr=3e-3):
-    opt = torch.optim.Adam(obj.parameters(), lr=lr)
-    torch.manual_seed(0)
-    obj.train()
-    for step in range(steps):
-        out = obj(batches[step % len(batches)])
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return obj.eval()
 
 
 def test_training_lowers_loss_and_metrics(train_target, target, train_data, draft_dir, batches):
     obj = make(train_target, target, train_data.vocab, draft_dir).eval()
     with torch.no_grad():
         before = [obj(b) for b in batches]
-    train_steps(obj, batches, 30)
+    adam_steps(obj, batches, 30)
     with torch.no_grad():
         after = [obj(b) for b in batches]
     loss = [sum(o.loss.item() for o in outs) for outs in (before, after)]
@@ -310,7 +298,7 @@ def test_engine_greedy_equality(tmp_path, train_target, target, train_data, draf
     own = [{"input_ids": p + o, "loss_mask": [0] * len(p) + [1] * len(o)}
            for p, o in zip(prompts, base)]
     batch = collate(own, pad_token_id(train_data.tokenizer))
-    obj = train_steps(make(train_target, target, train_data.vocab, draft_dir), [batch], 60,
+    obj = adam_steps(make(train_target, target, train_data.vocab, draft_dir), [batch], 60,
                       lr=1e-2)
     with torch.no_grad():
         estimate = obj(batch).metrics["acceptance_length_est"].item()
