@@ -1,0 +1,44 @@
+"""The thin entry points: infer.py's embedded default picks up train.py's default output."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from infer.config import InferConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def infer_entry(monkeypatch, tmp_path):
+    import train.tiny_target as tiny
+    import train.tiny_target_build as build
+
+    monkeypatch.setattr(build, "ensure_tiny_target", lambda **kw: "TARGET")
+    monkeypatch.setattr(tiny, "default_draft_dir", lambda: "DRAFT")
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location("infer_entry", ROOT / "infer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_uses_the_tiny_draft_until_train_py_made_a_head(infer_entry, tmp_path):
+    cfg = InferConfig(num_prompts=1)
+    target, prompts = infer_entry.default_model(cfg)
+    assert target == "TARGET" and len(prompts) == 1
+    assert cfg.speculative_config["method"] == "draft_model"
+    assert cfg.speculative_config["model"] == "DRAFT"
+
+
+def test_default_serves_the_default_recipes_final_head(infer_entry, tmp_path):
+    head = tmp_path / "outputs" / "tiny_eagle3" / "final"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text("{}")
+    cfg = InferConfig(num_prompts=1)
+    infer_entry.default_model(cfg)
+    assert cfg.speculative_config == {"method": "eagle3", "model": str(infer_entry.DEFAULT_HEAD),
+                                      "num_speculative_tokens": 3}
+    assert {"method": "eagle3", "model": str(infer_entry.DEFAULT_HEAD),
+            "name": "tiny_eagle3"} in cfg.eval.methods
