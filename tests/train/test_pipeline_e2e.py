@@ -122,3 +122,27 @@ def test_regenerated_training_data(tmp_path, train_target, chat_file):
     rows = [json.loads(line) for line in
             open(tmp_path / "tiny_eagle3" / "regenerated" / "chunk_00000.jsonl")]
     assert len(rows) == 5 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_has_training_and_acceptance(tmp_path, train_target, chat_file,
+                                                       monkeypatch):
+    """Without an API key the W&B run is offline; it holds the training curves and the
+    end-of-training acceptance (the dashboard's two halves)."""
+    from infer.tracking import read_wandb_file
+
+    for key in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    for key in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(key, str(tmp_path / "wandb-home" / key))
+    cfg = make_cfg(tmp_path, train_target, chat_file, "logger.kind=wandb",
+                   "objective.ttt_steps=2", "trainer.log_every=2")
+    run(cfg)
+    runs = list((tmp_path / "tiny_eagle3" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    data = read_wandb_file(runs[0])
+    summary = data["summary"]
+    assert "train/loss" in summary and "train/full_acc_1" in summary
+    assert summary["eval/tiny_eagle3/k2/T0/b1/acceptance_length"] >= 1.0
+    assert "eval/tiny_eagle3/k2/T0/b1/per_position/1" in summary
