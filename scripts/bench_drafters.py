@@ -62,6 +62,13 @@ def train_recipe(name: str, steps: int | None, retrain: bool) -> tuple[dict, dic
     return spec, stats
 
 
+def max_k(spec: dict) -> int:
+    """An MLP speculator drafts at most ``n_predict`` tokens (one head each); others: any k."""
+    if spec.get("method") != "mlp_speculator":
+        return 1 << 30
+    return json.loads((Path(spec["model"]) / "config.json").read_text())["n_predict"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipes", nargs="+",
@@ -83,7 +90,8 @@ def main() -> None:
     methods += [("ngram", {"method": "ngram"}),
                 ("draft LM (untrained)", {"method": "draft_model",
                                           "model": str(default_draft_dir())})]
-    configs = [HarnessConfig(spec, k, method=label) for label, spec in methods for k in args.ks]
+    configs = [HarnessConfig(spec, k, method=label) for label, spec in methods for k in args.ks
+               if k <= max_k(spec)]
     cfg = compose_recipe(args.recipes[0], None)
     cfg.eval.num_prompts = args.prompts
     report = run_harness(target, configs, eval_prompts(cfg, target), max_tokens=args.max_tokens,

@@ -73,8 +73,8 @@ def load_examples(cfg: TrainConfig) -> datasets.Dataset:
     return ds.select(range(min(d.num_examples, len(ds))))
 
 
-def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: str,
-                format: str | None = None) -> datasets.Dataset:
+def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: str
+                ) -> datasets.Dataset:
     """``raw`` with its answers rewritten by the target (resumable, under ``<run_dir>/name``)."""
     from train.regenerate import regenerate
 
@@ -82,7 +82,7 @@ def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: 
     if n is not None:
         raw = raw.select(range(min(n, len(raw))))
     return regenerate(raw, target_dir, cfg.regenerate, cfg.run_dir / name,
-                      format=format or cfg.data.format, seed=cfg.seed,
+                      format=cfg.data.format, seed=cfg.seed,
                       device=cfg.trainer.device)
 
 
@@ -95,7 +95,7 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None) -> PreparedDat
     raw = load_examples(cfg)
     if cfg.regenerate.enabled:
         raw = regenerated(cfg, target_dir, raw, "regenerated")
-    ds = tokenize(cfg, raw, tokenizer, regenerated=cfg.regenerate.enabled)
+    ds = tokenize(cfg, raw, tokenizer)
     vocab_size = load_config(target_dir).vocab_size
     vocab = build_draft_vocab(ds, vocab_size, min(cfg.drafter.draft_vocab_size, vocab_size))
     data_dir = cfg.run_dir / "data"
@@ -104,13 +104,10 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None) -> PreparedDat
     return PreparedData(target_dir, ds, vocab, data_dir, raw)
 
 
-def tokenize(cfg: TrainConfig, raw: datasets.Dataset, tokenizer, regenerated: bool = False
-             ) -> datasets.Dataset:
-    """Loss-masked packed rows; regenerated examples are OpenAI ``messages`` whatever
-    ``data.format`` said of the source."""
+def tokenize(cfg: TrainConfig, raw: datasets.Dataset, tokenizer) -> datasets.Dataset:
+    """Loss-masked packed rows (regenerated examples keep their source's format)."""
     d = cfg.data
-    return prepare_dataset(raw, tokenizer, max_length=d.max_length,
-                           format="openai" if regenerated else d.format,
+    return prepare_dataset(raw, tokenizer, max_length=d.max_length, format=d.format,
                            pack=d.pack, num_proc=d.num_proc, seed=d.seed, shuffle=False)
 
 
@@ -157,10 +154,8 @@ def stage2(cfg: TrainConfig, prepared: PreparedData, state) -> PreparedData:
     from transformers import AutoTokenizer
 
     with state.main_process_first():
-        fmt = "openai" if cfg.regenerate.enabled else None  # already messages rows
-        raw = regenerated(cfg, prepared.target_dir, prepared.raw, "stage2_data", fmt)
-        ds = tokenize(cfg, raw, AutoTokenizer.from_pretrained(prepared.target_dir),
-                      regenerated=True)
+        raw = regenerated(cfg, prepared.target_dir, prepared.raw, "stage2_data")
+        ds = tokenize(cfg, raw, AutoTokenizer.from_pretrained(prepared.target_dir))
     return dataclasses.replace(prepared, dataset=ds, raw=raw)
 
 

@@ -1,104 +1,207 @@
 """Regeneration: the target's own answers through the engine, turn by turn, resumable."""
 
+import json
+import re
+
 import datasets
 import pytest
 from transformers import AutoTokenizer
 
 from infer import LLM, SamplingParams
+from infer.request import CompletionOutput
 from train.config import RegenerateConfig
 from train.data import prepare_dataset
 from train.regenerate import Regenerator, regenerate
 
 from .conftest import chat_rows
 
-CFG = RegenerateConfig(enabled=True, temperature=0.0, max_tokens=6, batch_size=4)
+CFG = RegenerateConfig(enabled=True, temperature=0.0, max_tokens=8, batch_size=2)
 
 
-def direct(target, history):
-    """What the engine answers to ``history`` (the reference for the regenerated turn)."""
-    tok = AutoTokenizer.from_pretrained(target)
+@pytest.fixture
+def calls(monkeypatch):
+    """Every ``LLM.generate`` call's prompts (token-id lists), in order."""
+    seen, real = [], LLM.generate
+
+    def spy(self, prompts, params=None, **kw):
+        seen.append([list(p) for p in prompts])
+        return real(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    return seen
+
+
+def rendered(tok, history):
+    """The generation prompt's ids (the tiny tokenizer adds no BOS)."""
     text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    out = LLM(target, device="cpu").generate([ids], SamplingParams(temperature=0.0, max_tokens=6))
-    return out[0].outputs[0].text
+    return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_chat_answers_are_the_targets_and_prompts_unchanged(tmp_path, train_target):
-    rows = chat_rows(3, seed=5)
+def reference(target, prompts, max_tokens=8):
+    """What the engine answers, called directly (greedy), stop token removed by hand."""
+    tok = AutoTokenizer.from_pretrained(target)
+    end = tok.convert_tokens_to_ids("<|end|>")
+    outs = LLM(target, device="cpu").generate(prompts, SamplingParams(temperature=0.0,
+                                                                      max_tokens=max_tokens))
+    answers = []
+    for out in outs:
+        ids = out.token_ids[:-1] if out.token_ids[-1:] == [end] else out.token_ids
+        answers.append(tok.decode(ids, skip_special_tokens=False))
+    return answers
+
+
+def test_chat_answers_are_the_engines_and_prompts_unchanged(tmp_path, train_target, calls):
+    rows = [dict(r, id=f"row{i}") for i, r in enumerate(chat_rows(5, seed=5))]
     out = regenerate(datasets.Dataset.from_list(rows), train_target, CFG, tmp_path,
                      device="cpu", progress=False)
-    assert len(out) == 3
-    for row, new in zip(rows, out):
-        user, answer = new["messages"]
-        assert user == row["messages"][0]
-        assert answer["role"] == "assistant" and answer["content"] != row["messages"][1]["content"]
-        assert answer["content"] == direct(train_target, [user])
+    tok = AutoTokenizer.from_pretrained(train_target)
+    prompts = [rendered(tok, r["messages"][:1]) for r in rows]
+    assert [p for call in calls for p in call] == prompts  # one turn each, batched in one call
+    assert out.column_names == ["messages", "id"] and len(out) == 5
+    for row, new, want in zip(rows, out, reference(train_target, prompts)):
+        assert new["id"] == row["id"] and new["messages"][0] == row["messages"][0]
+        assert new["messages"][1] == {"role": "assistant", "content": want}
+        assert want != row["messages"][1]["content"]
+    assert out.to_list() == datasets.load_from_disk(str(tmp_path / "dataset")).to_list()
 
 
-def test_multi_turn_conditions_on_the_regenerated_earlier_answer(tmp_path, train_target):
-    conv = [{"role": "user", "content": "def add(a, b):"},
-            {"role": "assistant", "content": "return a + b"},
-            {"role": "user", "content": "for i in range(3):"},
-            {"role": "assistant", "content": "print(i)"}]
-    out = regenerate(datasets.Dataset.from_list([{"messages": conv}]), train_target, CFG,
-                     tmp_path, device="cpu", progress=False)[0]["messages"]
-    assert out[1]["content"] == direct(train_target, conv[:1])
-    assert out[3]["content"] == direct(train_target, [conv[0], out[1], conv[2]])
+def test_prompt_completion_rows_string_and_conversational(tmp_path, train_target):
+    tok = AutoTokenizer.from_pretrained(train_target)
+    rows = [{"prompt": "class Point:", "completion": "pass"},
+            {"prompt": "def add(a, b):", "completion": "return a + b"}]
+    out = regenerate(datasets.Dataset.from_list(rows), train_target, CFG, tmp_path / "s",
+                     device="cpu", progress=False)
+    want = reference(train_target, [rendered(tok, [{"role": "user", "content": r["prompt"]}])
+                                    for r in rows])
+    assert out.to_list() == [{"prompt": r["prompt"], "completion": w} for r, w in zip(rows, want)]
+    packed = prepare_dataset(out, tok, max_length=128, pack=False, shuffle=False, verbose=False)
+    for row, w in zip(packed, want):  # trains as the pipeline trains prompt/completion rows
+        assert tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]) == (
+            w + "<|end|>")
+    trl = [{"prompt": [{"role": "user", "content": "for i in range(3):"}],
+            "completion": [{"role": "assistant", "content": "print(i)"}]}]
+    out = regenerate(datasets.Dataset.from_list(trl), train_target, CFG, tmp_path / "t",
+                     device="cpu", progress=False)
+    assert out[0]["prompt"] == trl[0]["prompt"]
+    assert out[0]["completion"] == [{"role": "assistant", "content": reference(
+        train_target, [rendered(tok, trl[0]["prompt"])])[0]}]
 
 
-def test_prompt_completion_rows(tmp_path, train_target):
-    rows = [{"prompt": "class Point:", "completion": "pass"}]
+def test_multi_turn_conditions_on_the_regenerated_earlier_answer(tmp_path, train_target,
+                                                                  calls):
+    """ShareGPT rows; turn 2 of both conversations is generated in one batch after turn 1."""
+    def conv(a, b, c, d):
+        return {"conversations": [{"from": "human", "value": a}, {"from": "gpt", "value": b},
+                                  {"from": "human", "value": c}, {"from": "gpt", "value": d}]}
+    rows = [conv("def add(a, b):", "return a + b", "for i in range(3):", "print(i)"),
+            conv("class Point:", "pass", "with open(path) as f:", "data = f.read()")]
     out = regenerate(datasets.Dataset.from_list(rows), train_target, CFG, tmp_path,
-                     device="cpu", progress=False)[0]["messages"]
-    assert out[0] == {"role": "user", "content": "class Point:"}
-    assert out[1]["content"] == direct(train_target, out[:1])
+                     device="cpu", progress=False)
+    tok = AutoTokenizer.from_pretrained(train_target)
+    assert len(calls) == 2 and [len(c) for c in calls] == [2, 2]
+    for k, (row, new) in enumerate(zip(rows, out)):
+        old, msgs = row["conversations"], new["conversations"]
+        assert [m["from"] for m in msgs] == ["human", "gpt", "human", "gpt"]
+        assert msgs[0] == old[0] and msgs[2] == old[2]
+        first = msgs[1]["value"]
+        history = [{"role": "user", "content": old[0]["value"]},
+                   {"role": "assistant", "content": first},
+                   {"role": "user", "content": old[2]["value"]}]
+        second_prompt = calls[1][k]
+        assert second_prompt == rendered(tok, history)
+        assert first in tok.decode(second_prompt) and old[1]["value"] not in tok.decode(
+            second_prompt)
+        assert msgs[3]["value"] == reference(train_target, [second_prompt])[0]
 
 
-def test_interrupted_run_resumes_with_the_missing_chunks(tmp_path, train_target, monkeypatch):
+def test_interrupted_run_resumes_with_only_the_missing_chunks(tmp_path, train_target,
+                                                              monkeypatch):
+    """Sampled (seeded per chunk): the resumed data equals an uninterrupted run's."""
+    cfg = RegenerateConfig(enabled=True, temperature=0.8, top_p=0.9, max_tokens=6, batch_size=2)
     ds = datasets.Dataset.from_list(chat_rows(6, seed=1))
-    calls, interrupt = [], [True]
-    real = Regenerator.chunk
+    asked, real, fail_at = [], LLM.generate, [2]
 
-    def failing(self, convs):
-        calls.append(len(convs))
-        if interrupt[0] and len(calls) == 2:
-            raise RuntimeError("simulated interruption")
-        return real(self, convs)
+    def counting(self, prompts, params=None, **kw):
+        if len(asked) + 1 == fail_at[0]:
+            raise KeyboardInterrupt("simulated interruption")
+        asked.append(len(prompts))
+        return real(self, prompts, params, **kw)
 
-    monkeypatch.setattr(Regenerator, "chunk", failing)
-    with pytest.raises(RuntimeError, match="simulated"):
-        regenerate(ds, train_target, CFG, tmp_path, device="cpu", progress=False, chunk_size=2)
-    assert sorted(p.name for p in tmp_path.glob("chunk_*")) == ["chunk_00000.jsonl"]
-    calls.clear()
-    interrupt[0] = False
-    resumed = regenerate(ds, train_target, CFG, tmp_path, device="cpu", progress=False,
-                         chunk_size=2)
-    assert calls == [2, 2]  # chunks 1 and 2 only
-    monkeypatch.setattr(Regenerator, "chunk", real)
-    fresh = regenerate(ds, train_target, CFG, tmp_path / "fresh", device="cpu", progress=False,
-                       chunk_size=2)
+    monkeypatch.setattr(LLM, "generate", counting)
+    kw = dict(device="cpu", progress=False, chunk_size=2)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(ds, train_target, cfg, tmp_path / "run", **kw)
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert names == ["chunk_00000.jsonl", "fingerprint.json", "stats.json"]  # no tmp left over
+    asked.clear()
+    fail_at[0] = 0
+    resumed = regenerate(ds, train_target, cfg, tmp_path / "run", **kw)
+    assert asked == [2, 2]  # chunks 1 and 2 only: 4 requests
+    asked.clear()
+    fresh = regenerate(ds, train_target, cfg, tmp_path / "fresh", **kw)
+    assert asked == [2, 2, 2]
     assert resumed.to_list() == fresh.to_list()
+    assert json.loads((tmp_path / "run" / "stats.json").read_text())["0"]["answers"] == 2
+    asked.clear()
+    assert regenerate(ds, train_target, cfg, tmp_path / "run", **kw).to_list() == fresh.to_list()
+    assert asked == []  # complete: nothing generated, no engine built
 
 
-def test_changed_settings_are_named(tmp_path, train_target):
+def test_changed_settings_or_data_are_named(tmp_path, train_target):
     ds = datasets.Dataset.from_list(chat_rows(2))
     regenerate(ds, train_target, CFG, tmp_path, device="cpu", progress=False)
-    hotter = RegenerateConfig(enabled=True, temperature=0.7, max_tokens=6, batch_size=4)
-    with pytest.raises(ValueError, match="temperature=0.0"):
+    hotter = RegenerateConfig(enabled=True, temperature=0.7, max_tokens=8, batch_size=2)
+    with pytest.raises(ValueError, match=rf"{tmp_path}.*temperature=0\.0.*temperature=0\.7"):
         regenerate(ds, train_target, hotter, tmp_path, device="cpu", progress=False)
+    other = datasets.Dataset.from_list(chat_rows(2, seed=9))
+    with pytest.raises(ValueError, match="rows_digest=.*delete"):
+        regenerate(other, train_target, CFG, tmp_path, device="cpu", progress=False)
+    faster = RegenerateConfig(enabled=True, temperature=0.0, max_tokens=8, batch_size=4)
+    assert len(regenerate(ds, train_target, faster, tmp_path, progress=False)) == 2  # speed only
 
 
 def test_text_rows_cannot_be_regenerated(tmp_path, train_target):
-    with pytest.raises(ValueError, match="'text'"):
+    with pytest.raises(ValueError, match="format 'text' has no prompts"):
         regenerate(datasets.Dataset.from_list([{"text": "x = 1"}]), train_target, CFG, tmp_path)
+    assert not tmp_path.joinpath("fingerprint.json").exists()
 
 
-def test_output_trains_with_assistant_only_masks(tmp_path, train_target):
-    out = regenerate(datasets.Dataset.from_list(chat_rows(4)), train_target, CFG, tmp_path,
+def test_stop_token_and_template_terminator_are_dropped(train_target):
+    gen = Regenerator(train_target, CFG, seed=0, device="cpu")
+    tok = gen.tokenizer
+    end = tok.convert_tokens_to_ids("<|end|>")
+    assert gen.terminator == "<|end|>" and gen.params.stop_token_ids == [end]
+    body = tok("x = 1", add_special_tokens=False)["input_ids"]
+    assert gen.answer(CompletionOutput(0, "", body + [end], "stop")) == "x = 1"
+    assert gen.answer(CompletionOutput(0, "", body, "length")) == "x = 1"
+
+
+def test_output_feeds_prepare_dataset_with_assistant_only_masks(tmp_path, train_target):
+    rows = chat_rows(3) + [{"messages": [{"role": "user", "content": "no answer"}]}]
+    out = regenerate(datasets.Dataset.from_list(rows), train_target, CFG, tmp_path,
                      device="cpu", progress=False)
+    assert out[3] == rows[3]  # unusable rows are kept unchanged (the pipeline skips them)
     tok = AutoTokenizer.from_pretrained(train_target)
-    packed = prepare_dataset(out, tok, max_length=128, pack=False, shuffle=False, verbose=False)
+    packed = prepare_dataset(str(tmp_path / "dataset"), tok, max_length=128, pack=False,
+                             shuffle=False, verbose=False)
+    assert len(packed) == 3
     for row, src in zip(packed, out):
         masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
-        answer = src["messages"][1]["content"]
-        assert answer.strip() and tok.decode(masked).startswith(answer)
+        assert tok.decode(masked) == src["messages"][1]["content"] + "<|end|>"
+
+
+def test_too_long_prompts_keep_their_answers_and_are_counted(tmp_path, train_target, capsys):
+    """max_model_len 40: the long prompt is refused by the engine, so the whole conversation
+    keeps its answers; the short one is regenerated. The summary line counts both."""
+    cfg = RegenerateConfig(enabled=True, temperature=0.0, max_tokens=8, batch_size=2,
+                           max_model_len=40)
+    long = {"messages": [{"role": "user", "content": "x = 1\u2028\n" * 30},
+                         {"role": "assistant", "content": "a"},
+                         {"role": "user", "content": "y"}, {"role": "assistant", "content": "b"}]}
+    short = {"messages": [{"role": "user", "content": "def f():"},
+                          {"role": "assistant", "content": "pass"}]}
+    out = regenerate(datasets.Dataset.from_list([long, short]), train_target, cfg, tmp_path,
+                     device="cpu", progress=False)
+    assert out[0] == long and out[1]["messages"][1]["content"] != "pass"
+    line = capsys.readouterr().out
+    assert re.search(r"regenerate: 1 answers .* [01] hit max_tokens=8, 2 kept", line), line
