@@ -86,8 +86,10 @@ def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: 
                       device=cfg.trainer.device)
 
 
-def prepare_data(cfg: TrainConfig, target_dir: str | None = None) -> PreparedData:
-    """Tokenized, loss-masked, packed training data plus its draft vocabulary, saved to disk."""
+def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = True
+                 ) -> PreparedData:
+    """Tokenized, loss-masked, packed training data plus its draft vocabulary, saved to disk
+    (``save``: by the main process only; the other ranks rebuild the same from the caches)."""
     from transformers import AutoTokenizer
 
     target_dir = target_dir or resolve_target(cfg)
@@ -99,8 +101,9 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None) -> PreparedDat
     vocab_size = load_config(target_dir).vocab_size
     vocab = build_draft_vocab(ds, vocab_size, min(cfg.drafter.draft_vocab_size, vocab_size))
     data_dir = cfg.run_dir / "data"
-    _save_dataset_atomically(ds, data_dir / "dataset")
-    vocab.save(data_dir)
+    if save:
+        _save_dataset_atomically(ds, data_dir / "dataset")
+        vocab.save(data_dir)
     return PreparedData(target_dir, ds, vocab, data_dir, raw)
 
 
@@ -180,7 +183,7 @@ def run(cfg: TrainConfig) -> RunResult:
     set_seed(cfg.seed)
     with state.main_process_first():
         target_dir = resolve_target(cfg)
-        prepared = prepare_data(cfg, target_dir)
+        prepared = prepare_data(cfg, target_dir, save=state.is_main_process)
     print(f"target: {target_dir}\ndraft vocabulary: {prepared.vocab.draft_vocab_size} tokens "
           f"-> {prepared.data_dir}")
     pad_id = pad_token_id(AutoTokenizer.from_pretrained(target_dir))
