@@ -105,3 +105,19 @@ def adam_steps(obj, batches: list[dict], steps: int = 30, lr: float = 3e-3):
         out.loss.backward()
         opt.step()
     return obj.eval()
+
+
+def own_continuations(target_dir: str, batches: list[dict], tokenizer):
+    """Stage-2-style data: 3 prompts, the target's greedy continuations (24 tokens) through the
+    engine, and a collated batch whose loss covers exactly those continuations.
+    Returns ``(prompts, params, continuations, batch)``."""
+    from infer import LLM, SamplingParams
+    from train.data import collate, pad_token_id
+
+    ids = batches[0]["input_ids"]
+    prompts = [ids[0, :12].tolist(), ids[1, 5:30].tolist(), [5, 6, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    base = [o.token_ids for o in LLM(target_dir, max_num_seqs=3).generate(prompts, params)]
+    own = [{"input_ids": p + o, "loss_mask": [0] * len(p) + [1] * len(o)}
+           for p, o in zip(prompts, base)]
+    return prompts, params, base, collate(own, pad_token_id(tokenizer))

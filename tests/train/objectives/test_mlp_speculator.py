@@ -7,15 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.drafters.mlp_speculator import MLPSpeculator
 from infer.models.loader import load_model
 from train.config import TrainConfig
-from train.data import collate, pad_token_id
 from train.features import capture, target_heads
 from train.objectives.base import FeatureSpec, get_objective
 from train.objectives.mlp_speculator import MLPSpeculatorObjective, shifted_targets
-from ..conftest import adam_steps, feature_batches
+from ..conftest import adam_steps, feature_batches, own_continuations
 
 
 @pytest.fixture(scope="module")
@@ -163,14 +162,8 @@ def test_engine_greedy_equality(tmp_path, train_target, target, train_data, batc
     """Trained on the target's own greedy continuations (stage-2 data), the export is served by
     draftsmith's engine: output identical to no speculation, and the acceptance the training
     metrics predict is what serving measures (a misaligned head would accept nothing)."""
-    ids = batches[0]["input_ids"]
-    prompts = [ids[0, :12].tolist(), ids[1, 5:30].tolist(), [5, 6, 7]]
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    base = [o.token_ids for o in LLM(train_target, max_num_seqs=3).generate(prompts, params)]
-    own = [{"input_ids": p + o, "loss_mask": [0] * len(p) + [1] * len(o)}
-           for p, o in zip(prompts, base)]
-    batch = capture(target, collate(own, pad_token_id(train_data.tokenizer)),
-                    FeatureSpec(hidden=True))
+    prompts, params, base, batch = own_continuations(train_target, batches, train_data.tokenizer)
+    batch = capture(target, batch, FeatureSpec(hidden=True))
     obj = make(train_target, target, train_data.vocab, scale_input=True)
     adam_steps(obj, [batch], steps=60, lr=1e-2)
     estimate = obj(batch).metrics["acceptance_length_est"].item()

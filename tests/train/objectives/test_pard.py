@@ -12,15 +12,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.models.loader import load_config, load_model
 from train.config import TrainConfig
-from train.data import collate, pad_token_id
 from train.features import target_heads
 from train.objectives.base import FeatureSpec, get_objective
 from train.objectives.pard import PardObjective, choose_mask_token, cod_selection, pard_batch
 from train.vocab import DraftVocab
-from ..conftest import adam_steps, feature_batches
+from ..conftest import adam_steps, feature_batches, own_continuations
 
 M = 99  # mask id in the layout tests
 
@@ -291,13 +290,7 @@ def test_engine_greedy_equality(tmp_path, train_target, target, train_data, draf
     engine as draft_model + parallel_drafting: output identical to no speculation, and drafts
     are accepted about as often as the training metrics predict (a misaligned layout would
     accept next to nothing)."""
-    ids = batches[0]["input_ids"]
-    prompts = [ids[0, :12].tolist(), ids[1, 5:30].tolist(), [5, 6, 7]]
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    base = [o.token_ids for o in LLM(train_target, max_num_seqs=3).generate(prompts, params)]
-    own = [{"input_ids": p + o, "loss_mask": [0] * len(p) + [1] * len(o)}
-           for p, o in zip(prompts, base)]
-    batch = collate(own, pad_token_id(train_data.tokenizer))
+    prompts, params, base, batch = own_continuations(train_target, batches, train_data.tokenizer)
     obj = adam_steps(make(train_target, target, train_data.vocab, draft_dir), [batch], 60,
                       lr=1e-2)
     with torch.no_grad():
