@@ -13,7 +13,8 @@ from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from train.export import export_sglang
 from train.objectives.ttt import ttt_attention_mask
 
-from .objectives.test_eagle3 import build, make_env, train_steps
+from .conftest import adam_steps
+from .objectives.test_eagle3 import build, make_env
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def env(train_data):
 @pytest.fixture(scope="module")
 def sglang_ready(env, train_data, tmp_path_factory):
     """A briefly trained head with SGLang's layer semantics, exported in both formats."""
-    obj = train_steps(build("eagle3", env, train_data, norm_before_residual=False), env[2], 5)
+    obj = adam_steps(build("eagle3", env, train_data, norm_before_residual=False), env[2], 5)
     root = tmp_path_factory.mktemp("export")
     spec_dir = obj.export(root / "speculators")
     return obj, spec_dir, export_sglang(spec_dir, root / "sglang")
