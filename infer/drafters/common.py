@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors import safe_open
@@ -28,11 +29,14 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` into ``path`` atomically.
+def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor],
+                     extra_files: Sequence[Path] = ()) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and copies of ``extra_files`` (tokenizer
+    files ...) into ``path`` atomically.
 
-    A new directory appears in one ``os.replace``; into an existing one the weights are replaced
-    first and ``config.json`` last, each file atomically (other files there are left alone).
+    A new directory appears in one ``os.replace``; into an existing one the weights and extra
+    files are replaced first and ``config.json`` last, each file atomically (other files there
+    are left alone).
     ``torch_dtype`` is recorded from the first floating-point tensor.
     """
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
@@ -44,11 +48,13 @@ def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor])
     try:
         flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         save_file(flat, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        for f in extra_files:
+            shutil.copy2(f, tmp / Path(f).name)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
         if not path.exists():
             os.replace(tmp, path)
             return path
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
+        for name in [WEIGHTS_NAME, *(Path(f).name for f in extra_files), CONFIG_NAME]:
             os.replace(tmp / name, path / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -203,12 +203,13 @@ def resolve_dtype(dtype: str | torch.dtype, hf: dict) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> Llama:
+               device: str | torch.device = "cpu", fuse: bool = True) -> Llama:
     """Build the model for a Hugging Face checkpoint directory and load its weights.
 
     The model is built on the meta device (no random init), the safetensors tensors are assigned
     in place, converted to ``dtype`` on ``device``. Returned frozen (``requires_grad=False``) and
-    in eval mode: it is a target model; call ``requires_grad_(True)`` to train it.
+    in eval mode: it is a target model. To train it, load with ``fuse=False`` (every parameter
+    its own storage, as sharded optimizers need) and call ``requires_grad_(True)``.
     """
     model_dir = resolve_model_dir(path)
     hf, generation = _read_hf_configs(model_dir)
@@ -235,5 +236,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign replaced the embedding parameter; re-share it
     model.init_buffers()
-    model.fuse_projections()  # one q/k/v and one gate/up matmul per layer (names unchanged)
+    if fuse:
+        model.fuse_projections()  # one q/k/v and one gate/up matmul per layer (names unchanged)
     return model.requires_grad_(False).eval()

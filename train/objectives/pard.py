@@ -42,16 +42,14 @@ the mask's embedding is trained with the rest of the draft. Written to the expor
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from infer.drafters.common import write_checkpoint
-from infer.models.llama import Llama
 from infer.models.loader import load_config, load_model, resolve_dtype
 from infer.proposers.draft_model import MASK_KEYS
 from infer.validation import config_error
@@ -148,7 +146,8 @@ class PardObjective(Objective):
                                f"a causal LM with the target's vocab_size "
                                f"({heads.config.vocab_size}, same tokenizer); its vocab_size is "
                                f"{draft_vocab}", _WHERE)
-        self.drafter = trainable(load_model(self.source_dir, dtype=torch.float32))
+        self.drafter = load_model(self.source_dir, dtype=torch.float32, fuse=False
+                                  ).requires_grad_(True).train()
         self.mask_token_id = choose_mask_token(cfg.drafter.mask_token_id, self.source_config,
                                                vocab, heads.config)
 
@@ -240,7 +239,7 @@ class PardObjective(Objective):
                             for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
         tok_dir = self.source_dir if has_tokenizer else Path(self.target_dir)
         extra += [tok_dir / f for f in TOKENIZER_FILES]
-        return write_hf_dir(path, hf_config, tensors, [f for f in extra if f.is_file()])
+        return write_checkpoint(path, hf_config, tensors, [f for f in extra if f.is_file()])
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -250,18 +249,6 @@ def hf_name(native: str) -> str:
     return native if native.startswith("lm_head.") else f"model.{native}"
 
 
-def trainable(model: Llama) -> Llama:
-    """A loaded (frozen, projection-fused) model made trainable: every parameter gets its own
-    storage (the fused q/k/v and gate/up views are undone, which the sharded optimizers of
-    DeepSpeed / FSDP need), tied embeddings are re-tied, gradients on, train mode."""
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(p.detach().clone()))
-        for fused in ("_qkv", "_gate_up"):  # drop the now unused fused copies (memory)
-            if hasattr(module, fused):
-                setattr(module, fused, (None, None))
-    model.tie_weights()
-    return model.requires_grad_(True).train()
 
 
 def resolve_draft_dir(model: str | None, key: str, target_dir: str | Path) -> Path:
@@ -315,26 +302,3 @@ def choose_mask_token(configured: int | None, draft_config: dict, vocab, target_
     return unseen[-1]
 
 
-def write_hf_dir(path: str | Path, config: dict, tensors: dict[str, Tensor],
-                 files: list[Path]) -> Path:
-    """``write_checkpoint`` plus extra files (tokenizer ...), with its atomicity: a new
-    directory appears in one rename; into an existing one, files are replaced one by one with
-    ``config.json`` last."""
-    import os
-    import tempfile
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{path.name}.stage-", dir=path.parent))
-    try:
-        out = write_checkpoint(stage / "dir", config, tensors)
-        for f in files:
-            shutil.copy2(f, out / f.name)
-        if not path.exists():
-            os.replace(out, path)
-            return path
-        for f in sorted(out.iterdir(), key=lambda p: p.name == "config.json"):
-            os.replace(f, path / f.name)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return path
