@@ -27,7 +27,7 @@ from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContex
                                   get_proposer_class)
 from infer.rejection import greedy_verify, rejection_sample
 from infer.request import CompletionOutput, Request, RequestOutput
-from infer.sampling import SamplingParams
+from infer.sampling import BatchGenerator, Generator, SamplingParams
 from infer.spec_config import SpeculativeConfig
 from infer.validation import check_float, check_int, config_error
 
@@ -111,7 +111,8 @@ class LLM:
         # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's keys
         target_slots = None if _in_order([r.slot for r in reqs]) else slots
         temperature, top_k, top_p = self._sampling_tensors(reqs)
-        proposal = self._propose(reqs, slots, temperature, top_k, top_p)
+        generator = self._generator(reqs)
+        proposal = self._propose(reqs, temperature, top_k, top_p, generator)
         draft_ids = proposal.draft_ids  # [B, k], -1 padded
         num_drafted = (draft_ids >= 0).sum(dim=1)  # [B]
         pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
@@ -125,7 +126,7 @@ class LLM:
         else:
             tokens = rejection_sample(
                 logits, draft_ids, proposal.draft_probs, temperature=temperature,
-                method=method, top_k=top_k, top_p=top_p, generator=self.generator,
+                method=method, top_k=top_k, top_p=top_p, generator=generator,
                 synthetic_acceptance_rate=(self.spec.synthetic_acceptance_rate if self.spec
                                            else None),
             )  # [B, k + 1]
@@ -148,14 +149,14 @@ class LLM:
         self.metrics.merge(step)
         return emitted[:kept]
 
-    def _propose(self, reqs: list[Request], slots: torch.Tensor, temperature, top_k,
-                 top_p) -> Proposal:
+    def _propose(self, reqs: list[Request], temperature, top_k, top_p,
+                 generator: Generator) -> Proposal:
         """Drafts ``[B, k]`` clipped per request to what max_tokens and the cache can take."""
         if self.proposer is None or self.k == 0:
             return Proposal(torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
         batch = DraftBatch([r.slot for r in reqs], [r.tokens for r in reqs], self.k,
                            temperature=_as_tensor(temperature, len(reqs), self.device),
-                           top_k=top_k, top_p=top_p, generator=self.generator)
+                           top_k=top_k, top_p=top_p, generator=generator)
         proposal = self.proposer.propose(batch)
         limits = torch.tensor([r.draft_limit(self.k, self.max_model_len) for r in reqs],
                               device=self.device)  # [B]
@@ -212,7 +213,8 @@ class LLM:
             first = greedy_verify(logits, empty)[:, 0].tolist()
         else:
             first = rejection_sample(logits, empty, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, generator=self.generator)[:, 0].tolist()
+                                     top_p=top_p,
+                                     generator=self._generator(reqs))[:, 0].tolist()
         for req, tok in zip(reqs, first):
             req.append([tok], self.eos_ids, self.max_model_len)
             if self.proposer is not None:
@@ -229,6 +231,12 @@ class LLM:
                 self.proposer.finish(req.slot)
         self._running = [r for r in self._running if not r.finished]
         return len(done)
+
+    def _generator(self, reqs: list[Request]) -> Generator:
+        """The engine's generator, or a :class:`BatchGenerator` when some request is seeded."""
+        if all(r.generator is None for r in reqs):
+            return self.generator
+        return BatchGenerator(self.generator, [r.generator for r in reqs])
 
     def _sampling_tensors(self, reqs: list[Request]):
         """Per-row temperature / top-k / top-p; scalars (and None filters) when uniform."""
@@ -258,6 +266,8 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             text, ids = self._encode(prompt, i)
             req = Request(i, text, ids, p)
+            if p.seed is not None:  # its own random stream, whatever else shares the batch
+                req.generator = torch.Generator(device=self.device).manual_seed(p.seed)
             if len(ids) >= self.max_model_len:
                 req.finish_reason = "error"
                 log.error("request %d refused: prompt has %d tokens, max_model_len is %d", i,
@@ -380,10 +390,6 @@ def _normalise_params(params: Any, n: int) -> list[SamplingParams]:
     params = list(params)
     if len(params) != n:
         raise ValueError(f"generate: got {len(params)} sampling params for {n} prompts")
-    for p in params:
-        if p.seed is not None:
-            raise config_error("seed", p.seed, "None: per-request seeds are not supported yet; "
-                               "seed the engine with LLM(seed=...)", "SamplingParams")
     return params
 
 

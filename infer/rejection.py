@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from infer.sampling import logits_to_probs
+from infer.sampling import Generator, fill_random_, logits_to_probs
 from infer.validation import config_error
 
 METHODS = ("strict", "probabilistic", "synthetic")
@@ -61,7 +61,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                      temperature: Number | torch.Tensor, method: str = "strict",
                      top_k: int | torch.Tensor | None = None,
                      top_p: float | torch.Tensor | None = None,
-                     generator: Optional[torch.Generator] = None,
+                     generator: Generator = None,
                      synthetic_acceptance_rate: Optional[float] = None,
                      impl: str = "auto") -> torch.Tensor:
     """Verify drafts against the target; returns ``[batch, k + 1]`` long (see module docstring).
@@ -111,18 +111,18 @@ def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor) ->
 
 
 def draw_randomness(batch: int, k: int, vocab: int, device: torch.device,
-                    generator: Optional[torch.Generator] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    generator: Generator = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniforms ``[batch, k]`` in [0, 1) and Exp(1) noise ``[batch, vocab]``, in that order.
 
     Both implementations read these, which is what makes them bit-identical. The noise is
     clamped away from 0 so ``r / noise`` never divides by zero (as in ``sample_from_probs``).
+    A :class:`~infer.sampling.BatchGenerator` gives seeded requests rows of their own.
     """
-    uniforms = torch.rand(batch, k, dtype=torch.float32, device=device,
-                          generator=generator)  # [batch, k]
+    uniforms = torch.empty(batch, k, dtype=torch.float32, device=device)  # [batch, k]
     noise = torch.empty(batch, vocab, dtype=torch.float32, device=device)  # [batch, vocab]
-    noise.exponential_(generator=generator).clamp_min_(1e-20)
-    return uniforms, noise
+    fill_random_(uniforms, "uniform", generator)
+    fill_random_(noise, "exponential", generator)
+    return uniforms, noise.clamp_min_(1e-20)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from infer.metrics import SpecMetrics
 from infer.sampling import SamplingParams
 
@@ -55,6 +57,7 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    generator: torch.Generator | None = None  # its own stream when SamplingParams.seed is set
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

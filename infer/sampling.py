@@ -146,7 +146,46 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sample token ids ``[...]`` from ``probs`` ``[..., vocab]`` with no host sync."""
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)
+@dataclass
+class BatchGenerator:
+    """The random source of a batch in which some rows carry their own seed
+    (``SamplingParams.seed``).
+
+    A draw fills the whole tensor from ``default`` (the engine's generator), exactly as a plain
+    generator would, then redraws each seeded row's slice from that row's generator. A seeded
+    request's numbers therefore depend only on its own history, never on which other requests
+    share its steps (vLLM's per-request seed), while unseeded rows see the same stream as without
+    any seeded neighbour. Python work is one call per seeded row, none per token.
+    """
+
+    default: torch.Generator | None
+    rows: list[torch.Generator | None]  # [batch]; None = the row draws from ``default``
+
+
+Generator = torch.Generator | BatchGenerator | None
+
+
+def fill_random_(t: torch.Tensor, kind: str, generator: Generator = None) -> torch.Tensor:
+    """Fill ``t`` ``[batch, ...]`` in place with U[0, 1) (``kind="uniform"``) or Exp(1)
+    (``"exponential"``) draws from ``generator``; returns ``t``. No host sync."""
+    def fill(x: torch.Tensor, g: torch.Generator | None) -> None:
+        if kind == "uniform":
+            x.uniform_(generator=g)
+        else:
+            x.exponential_(generator=g)
+
+    if not isinstance(generator, BatchGenerator):
+        fill(t, generator)
+        return t
+    fill(t, generator.default)
+    for row, g in enumerate(generator.rows):
+        if g is not None:
+            fill(t[row], g)  # a view: writes into t
+    return t
+
+
+def sample_from_probs(probs: torch.Tensor, generator: Generator = None) -> torch.Tensor:
+    """Sample token ids ``[batch, ...]`` from ``probs`` ``[batch, ..., vocab]`` with no host
+    sync."""
+    noise = fill_random_(torch.empty_like(probs), "exponential", generator).clamp_min_(1e-20)
     return (probs / noise).argmax(dim=-1)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from infer.sampling import Generator
 from infer.spec_config import SpeculativeConfig
 
 
@@ -44,7 +45,7 @@ class DraftBatch:
     temperature: torch.Tensor | None = None  # [batch] the requests' sampling settings, for
     top_k: torch.Tensor | None = None  # [batch]   proposers that sample or return draft_probs
     top_p: torch.Tensor | None = None  # [batch]
-    generator: torch.Generator | None = None
+    generator: Generator = None  # per-row streams for seeded requests (BatchGenerator)
     extras: dict[str, Any] = field(default_factory=dict)  # e.g. target hidden states for EAGLE
 
 
