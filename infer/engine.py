@@ -13,6 +13,7 @@ waiting ones are prefilled into free slots before the next step.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -58,19 +59,36 @@ class LLM:
             raise config_error("max_model_len", max_model_len,
                                f"<= the model's max_position_embeddings "
                                f"({cfg.max_position_embeddings})", _WHERE)
-        self.max_num_seqs = max_num_seqs
         self.enforce_eager = enforce_eager
-        dtype_ = next(self.target.parameters()).dtype
-        self.cache = KVCache.for_model(cfg, max_num_seqs, self.max_model_len, dtype=dtype_,
-                                       device=self.device)
         self.tokenizer = _load_tokenizer(tokenizer or model)
         self.eos_ids = frozenset(cfg.eos_token_ids) | _tokenizer_eos(self.tokenizer)
+        self._configure(max_num_seqs, seed)
+
+    def _configure(self, max_num_seqs: int, seed: int) -> None:
+        """Everything that depends on the speculative config, batch size and seed (``self.spec``
+        is set): KV cache, generator, proposer, metrics; the target is left as it is."""
+        self.max_num_seqs = max_num_seqs
+        dtype = next(self.target.parameters()).dtype
+        self.cache = KVCache.for_model(self.target.config, max_num_seqs, self.max_model_len,
+                                       dtype=dtype, device=self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.proposer = self._make_proposer(dtype_)
+        self.proposer = self._make_proposer(dtype)
         # target residual streams the proposer reads (EAGLE heads); none for the others
         self._aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
         self.metrics = SpecMetrics()
         self._running: list[Request] = []
+
+    def with_config(self, speculative_config: Any = None, *, max_num_seqs: int | None = None,
+                    seed: int = 0) -> "LLM":
+        """A new engine on this one's loaded target and tokenizer (nothing is reloaded), with
+        another speculative config, batch size or seed: how the harness runs a matrix of
+        configurations. The two share the target's weights (read-only) and nothing else."""
+        check_int("max_num_seqs", max_num_seqs, _WHERE, minimum=1, optional=True)
+        check_int("seed", seed, _WHERE)
+        other = copy.copy(self)
+        other.spec = SpeculativeConfig.parse(speculative_config)
+        other._configure(max_num_seqs or self.max_num_seqs, seed)
+        return other
 
     # ---- public API ------------------------------------------------------------------------------
 

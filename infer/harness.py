@@ -211,9 +211,9 @@ class _Run:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _measure(target: str, spec: SpeculativeConfig | None, prompts: list, params: SamplingParams,
-             batch_size: int, engine_kwargs: dict, warmup: bool) -> _Run:
-    llm = LLM(target, speculative_config=spec, max_num_seqs=batch_size, **engine_kwargs)
+def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params: SamplingParams,
+             batch_size: int, seed: int, warmup: bool) -> _Run:
+    llm = engine.with_config(spec, max_num_seqs=batch_size, seed=seed)  # the target stays loaded
     device = str(llm.device)
     try:
         if warmup:  # first-call allocations out of the timing; 2 tokens barely touch caches
@@ -345,13 +345,14 @@ def run_harness(target: str, configs: Sequence[HarnessConfig] | Mapping[str, Any
         cfg.spec()
     check_int("max_tokens", max_tokens, _WHERE, minimum=1)
     logger = logger or NoopLogger()
-    engine_kwargs = dict(device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
+    engine = LLM(target, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                 max_num_seqs=1)  # loads the target once; each run forks it (LLM.with_config)
     baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = {}
 
     def baseline(batch: int, temp: float) -> tuple[Baseline, _Run]:
         if (batch, temp) not in baselines:
-            run = _measure(target, None, prompts, _params(temp, max_tokens, ignore_eos), batch,
-                           engine_kwargs, warmup)
+            run = _measure(engine, None, prompts, _params(temp, max_tokens, ignore_eos), batch,
+                           seed, warmup)
             base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, run.timers.step.calls,
                             run.timers.step.median)
             log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
@@ -362,8 +363,8 @@ def run_harness(target: str, configs: Sequence[HarnessConfig] | Mapping[str, Any
     for cfg in configs:
         base, ar = baseline(cfg.batch_size, cfg.temperature)
         spec = cfg.spec()
-        run = _measure(target, spec, prompts, _params(cfg.temperature, max_tokens, ignore_eos),
-                       cfg.batch_size, engine_kwargs, warmup)
+        run = _measure(engine, spec, prompts, _params(cfg.temperature, max_tokens, ignore_eos),
+                       cfg.batch_size, seed, warmup)
         row = _result(cfg, spec, run, base, ar)
         results.append(row)
         log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",

@@ -399,3 +399,21 @@ def test_synthetic_acceptance(tiny_target, tiny_draft, engine_prompts, rate):
     m = check_engine_metrics(llm, outs, 3)
     assert m["num_draft_tokens"] > 0 and m["acceptance_rate"] == rate
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+
+
+def test_with_config_forks_the_loaded_target(tiny_target):
+    """A fork shares the target's weights but has its own cache, proposer, metrics and batch size;
+    its output equals a freshly loaded engine's with the same settings."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    base = LLM(tiny_target, max_num_seqs=1, device="cpu")
+    fork = base.with_config(spec, max_num_seqs=4)
+    assert fork.target is base.target and fork.cache is not base.cache
+    assert fork.cache.max_batch == 4 and base.cache.max_batch == 1 and base.proposer is None
+    fresh = LLM(tiny_target, speculative_config=spec, max_num_seqs=4, device="cpu")
+    assert ([o.token_ids for o in fork.generate(LOOPY_PROMPTS, params)]
+            == [o.token_ids for o in fresh.generate(LOOPY_PROMPTS, params)])
+    assert fork.get_metrics() == fresh.get_metrics() and fork.get_metrics()["num_drafts"] > 0
+    assert base.get_metrics()["num_drafts"] == 0
+    with pytest.raises(ValueError, match="'max_num_seqs'"):
+        base.with_config(None, max_num_seqs=0)

@@ -327,3 +327,18 @@ def test_infer_mode_eval(tiny_target, tmp_path):
         check_mode(cfg)
     assert with_default_draft([{"method": "draft_model"}, {"method": "ngram"}], "d") == [
         {"method": "draft_model", "model": "d"}, {"method": "ngram"}]
+
+
+def test_harness_loads_the_target_once(tiny_target, monkeypatch):
+    """Every configuration and baseline forks one loaded engine (``LLM.with_config``)."""
+    import infer.engine
+
+    loads = []
+    real = infer.engine.load_model
+    monkeypatch.setattr(infer.engine, "load_model",
+                        lambda *a, **k: loads.append(a) or real(*a, **k))
+    report = run_harness(tiny_target, {"methods": [{"method": "ngram", "prompt_lookup_min": 1}],
+                                       "ks": [1, 2], "batch_sizes": [1, 2]},
+                         PROMPTS, max_tokens=4, device="cpu", warmup=False)
+    assert len(report.results) == 4 and len(report.baselines) == 2
+    assert len(loads) == 1
