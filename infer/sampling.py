@@ -161,6 +161,10 @@ class BatchGenerator:
     default: torch.Generator | None
     rows: list[torch.Generator | None]  # [batch]; None = the row draws from ``default``
 
+    def select(self, rows: list[int]) -> "BatchGenerator":
+        """The generator of a sub-batch made of ``rows`` of this batch."""
+        return BatchGenerator(self.default, [self.rows[i] for i in rows])
+
 
 Generator = torch.Generator | BatchGenerator | None
 

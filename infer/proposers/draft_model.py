@@ -25,7 +25,7 @@ import torch
 from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 from infer.proposers.base import DraftBatch, Proposal, Proposer, ProposerContext, register
-from infer.sampling import logits_to_probs, sample_from_probs
+from infer.sampling import BatchGenerator, Generator, logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig, draft_config_path, read_draft_config
 
 MASK_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")
@@ -72,7 +72,7 @@ class DraftModelProposer(Proposer):
         sub = replace(batch, slots=[batch.slots[i] for i in rows],
                       token_ids=[batch.token_ids[i] for i in rows],
                       temperature=pick(batch.temperature), top_k=pick(batch.top_k),
-                      top_p=pick(batch.top_p))
+                      top_p=pick(batch.top_p), generator=_select(batch.generator, rows))
         proposal = self._propose_rows(sub)
         draft_ids[index] = proposal.draft_ids
         probs = None
@@ -128,6 +128,11 @@ class DraftModelProposer(Proposer):
         if self.sample:
             return sample_from_probs(q, batch.generator), q
         return logits.argmax(dim=-1), q
+
+
+def _select(generator: Generator, rows: list[int]) -> Generator:
+    """A sub-batch's generator: seeded rows keep their own streams."""
+    return generator.select(rows) if isinstance(generator, BatchGenerator) else generator
 
 
 def _mask_token(spec: SpeculativeConfig) -> int:

@@ -73,3 +73,17 @@ def test_batch_generator_rows_draw_from_their_own_stream():
     a = sample_from_probs(probs, BatchGenerator(None, [torch.Generator().manual_seed(3), None]))
     b = sample_from_probs(probs[:1], torch.Generator().manual_seed(3))
     assert torch.equal(a[0], b[0])
+
+
+def test_seeded_row_in_a_draft_sub_batch(tiny_target, tiny_draft):
+    """Rows that cannot draft (past the draft's max_model_len) leave a sub-batch; a seeded row in
+    it keeps its own stream."""
+    spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 3,
+            "rejection_sample_method": "probabilistic", "max_model_len": 24}
+    long_prompt = list(range(30, 55))  # 25 tokens: never fits the draft, never drafts
+    ref = LLM(tiny_target, speculative_config=spec, seed=0).generate(
+        [ENGINE_PROMPTS[1]], _sampled(seed=42))[0]
+    outs = LLM(tiny_target, speculative_config=spec, seed=1).generate(
+        [long_prompt, ENGINE_PROMPTS[1]], [_sampled(), _sampled(seed=42)])
+    assert outs[1].token_ids == ref.token_ids
+    assert outs[0].metrics["num_drafts"] == 0 and outs[1].metrics["num_drafts"] > 0
