@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.metrics import SpecMetrics
 from infer.models.loader import load_model
@@ -75,6 +76,10 @@ class LLM:
         self.proposer = self._make_proposer(dtype)
         # target residual streams the proposer reads (EAGLE heads); none for the others
         self._aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
+        # steps in fixed shapes, captured as CUDA graphs; None: the plain forward (CPU, eager)
+        self.static_forward = None
+        if self.device.type == "cuda" and not self.enforce_eager:
+            self.static_forward = StaticForward(self.target, self.cache, self._aux_ids)
         self.metrics = SpecMetrics()
         self._running: list[Request] = []
 
@@ -126,8 +131,6 @@ class LLM:
         """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
         reqs = self._running
         slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
-        # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's keys
-        target_slots = None if _in_order([r.slot for r in reqs]) else slots
         temperature, top_k, top_p = self._sampling_tensors(reqs)
         generator = self._generator(reqs)
         proposal = self._propose(reqs, temperature, top_k, top_p, generator)
@@ -135,8 +138,7 @@ class LLM:
         num_drafted = (draft_ids >= 0).sum(dim=1)  # [B]
         pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
         inputs = torch.cat([pending[:, None], draft_ids.clamp_min(0)], dim=1)  # [B, k + 1]
-        out = self.target(inputs, self.cache, target_slots, num_tokens=1 + num_drafted,
-                          aux_layer_ids=self._aux_ids)
+        out = self._verify(inputs, reqs, slots, 1 + num_drafted)
         logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
         method = self.spec.rejection_sample_method if self.spec else "strict"
         if _all_greedy(temperature) and method != "synthetic":
@@ -157,6 +159,17 @@ class LLM:
         if self.proposer is not None:
             self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted, new_tokens,
                                                {"target_output": out}))
+
+    def _verify(self, inputs: torch.Tensor, reqs: list[Request], slots: torch.Tensor,
+                num_tokens: torch.Tensor):
+        """The step's one target forward over ``inputs [B, k + 1]`` (``num_tokens [B]`` real)."""
+        if self.static_forward is not None:
+            longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
+            return self.static_forward(inputs, [r.slot for r in reqs], num_tokens, longest)
+        # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's keys
+        target_slots = None if _in_order([r.slot for r in reqs]) else slots
+        return self.target(inputs, self.cache, target_slots, num_tokens=num_tokens,
+                           aux_layer_ids=self._aux_ids)
 
     def _accept(self, req: Request, emitted: list[int], drafted: int, accepted: int) -> list[int]:
         """Append a request's emitted tokens (stop-aware) and record its metrics."""

@@ -172,17 +172,13 @@ class EngineTimers:
     draft: Timer
 
 
-def _is_step_forward(ids, *args, **kwargs) -> bool:
-    return kwargs.get("logits_at") is None  # prefill passes logits_at
-
-
 @contextmanager
 def instrument(llm: LLM) -> Iterator[EngineTimers]:
     """Time an engine's steps, verify forwards and proposer calls; restores them on exit."""
     timers = EngineTimers(Timer(llm.device), Timer(llm.device), Timer(llm.device))
     patched = [(llm, "speculative_step", timers.step.wrap(llm.speculative_step)),
-               (llm.target, "forward", timers.verify.wrap(
-                   llm.target.forward, _is_step_forward, rows=lambda ids, *a, **k: ids.shape[0]))]
+               (llm, "_verify", timers.verify.wrap(  # graph replays included, prefills not
+                   llm._verify, rows=lambda ids, *a, **k: ids.shape[0]))]
     if llm.proposer is not None:
         patched.append((llm.proposer, "propose", timers.draft.wrap(llm.proposer.propose)))
     for obj, name, fn in patched:

@@ -1,0 +1,137 @@
+"""Static-shape cached forwards, captured as CUDA graphs (the gpt-fast / vLLM decode recipe).
+
+A decode or verify step of a served model is a few dozen small kernels per layer; at the batch
+sizes that serve at low latency, launching them costs more than running them. A CUDA graph records
+one step's kernels once and replays them with a single launch. A graph replays fixed shapes at
+fixed addresses, so :class:`StaticForward` runs every step in a fixed layout:
+
+- rows: the step covers cache rows ``0 .. R-1`` as they are (views, no gather), ``R`` the smallest
+  capture size ``>= max slot + 1``. Rows with no request in this step get ``num_tokens = 0``:
+  their keys go to the cache's scratch column, their lengths do not move, their outputs are
+  dropped. The engine admits requests into the lowest free slots, so ``R`` stays close to the
+  number of running requests.
+- keys: attention reads ``kv_len`` = the smallest power of two (at least ``MIN_KV_BUCKET``,
+  at most the cache capacity) covering the longest row after the step, so a short batch does not
+  read the whole cache, and a model needs few graphs (row sizes x token counts x key buckets).
+- buffers: input ids and ``num_tokens`` live in static tensors written before each replay;
+  outputs are gathered back into the caller's row order, which copies them, so nothing the
+  caller holds is overwritten by the next replay.
+
+Each shape is captured on first use, after one warm-up run (cuBLAS handles, allocator, Triton
+autotuning). The warm-up writes the step's keys exactly where the replay writes them again and its
+advance of the cache lengths is undone, so capture leaves the cache as one step would. On other
+devices the same buffers and warm-up are used and the "graph" is an eager call: that is how the
+CPU tests check this bookkeeping against the plain forward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from infer.kv_cache import KVCache
+from infer.models.llama import Llama, ModelOutput
+
+MIN_KV_BUCKET = 256
+
+
+def row_sizes(max_rows: int) -> tuple[int, ...]:
+    """Capture sizes: 1, 2, 4, 8, then multiples of 8, and ``max_rows`` itself (vLLM's list)."""
+    sizes = [s for s in (1, 2, 4) if s < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
+    return tuple(sorted(set(sizes)))
+
+
+def kv_bucket(need: int, capacity: int) -> int:
+    """Smallest power of two ``>= need`` (at least ``MIN_KV_BUCKET``), capped at ``capacity``."""
+    bucket = MIN_KV_BUCKET
+    while bucket < need:
+        bucket *= 2
+    return min(bucket, capacity)
+
+
+class _Graph:
+    """One static-shape call: a CUDA graph when ``capture``, else the function itself."""
+
+    def __init__(self, fn: Callable[[], ModelOutput], cache: KVCache, capture: bool,
+                 pool=None) -> None:
+        self.fn, self.graph = fn, None
+        saved = cache.lens.clone()
+        if capture:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # warm-up: lazy initialisations must not happen inside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            cache.lens.copy_(saved)  # the warm-up advanced the lengths; the replay will
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = fn()  # recorded, not run: the cache is untouched
+        else:
+            fn()  # the same warm-up and undo, so CPU tests exercise them
+            cache.lens.copy_(saved)
+
+    def __call__(self) -> ModelOutput:
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.out
+
+
+class StaticForward:
+    """``model``'s cached forward over ``cache`` in fixed shapes, captured per shape on CUDA.
+
+    ``capture=None``: capture on CUDA, run eagerly elsewhere (see the module doc).
+    """
+
+    def __init__(self, model: Llama, cache: KVCache, aux_layer_ids=(),
+                 capture: bool | None = None) -> None:
+        self.model, self.cache = model, cache
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.device = cache.lens.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.sizes = row_sizes(cache.max_batch)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (ids [rows, T], num [rows])
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def __call__(self, input_ids: Tensor, slots: list[int], num_tokens: Tensor,
+                 max_len: int) -> ModelOutput:
+        """Forward ``input_ids [B, T]`` for cache rows ``slots`` (any order) with ``num_tokens
+        [B]`` real tokens each, as :meth:`Llama.forward` would; outputs in the order of ``slots``.
+
+        ``max_len``: a host-side bound on ``lens[slot] + num_tokens`` over the batch (the engine
+        knows its requests' lengths), which picks the key bucket without reading the device.
+        """
+        t = input_ids.shape[1]
+        rows = next(s for s in self.sizes if s > max(slots))
+        kv_len = kv_bucket(max_len, self.cache.capacity)
+        ids, num = self._inputs(t)
+        index = torch.tensor(slots, device=self.device)  # [B]
+        num.zero_()  # rows without a request this step: no tokens
+        num.index_copy_(0, index, num_tokens.to(num.dtype))
+        ids.index_copy_(0, index, input_ids)
+        key = (rows, t, kv_len)
+        if key not in self.graphs:
+            self.graphs[key] = _Graph(self._step_fn(rows, t, kv_len), self.cache, self.capture,
+                                      self._pool)
+        out = self.graphs[key]()  # rows [R] in cache order
+        return ModelOutput(out.logits.index_select(0, index), out.hidden.index_select(0, index),
+                           tuple(a.index_select(0, index) for a in out.aux))
+
+    def _inputs(self, t: int) -> tuple[Tensor, Tensor]:
+        if t not in self._buffers:
+            rows = self.cache.max_batch
+            self._buffers[t] = (torch.zeros(rows, t, dtype=torch.long, device=self.device),
+                                torch.zeros(rows, dtype=torch.long, device=self.device))
+        return self._buffers[t]
+
+    def _step_fn(self, rows: int, t: int, kv_len: int) -> Callable[[], ModelOutput]:
+        ids, num = self._inputs(t)
+        ids, num = ids[:rows], num[:rows]  # views: the graph reads what __call__ writes
+
+        def step() -> ModelOutput:
+            return self.model(ids, self.cache, None, num_tokens=num,
+                              aux_layer_ids=self.aux_layer_ids, kv_len=kv_len)
+        return step
