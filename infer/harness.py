@@ -212,7 +212,9 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
     llm = engine.with_config(spec, max_num_seqs=batch_size, seed=seed)  # the target stays loaded
     device = str(llm.device)
     try:
-        if warmup:  # first-call allocations out of the timing; 2 tokens barely touch caches
+        if warmup and llm.static_forward is not None:  # capture the run's CUDA graphs first
+            llm.generate(prompts, params)
+        elif warmup:  # first-call allocations out of the timing; 2 tokens barely touch caches
             llm.generate(prompts[:1], SamplingParams(temperature=params.temperature, max_tokens=2,
                                                      ignore_eos=True))
         with instrument(llm) as timers:

@@ -1,6 +1,7 @@
 """Engine throughput on the embedded tiny target, side by side with Hugging Face transformers.
 
     python scripts/bench_engine.py [--prompts 8] [--max-tokens 64] [--k 3 5] [--record]
+        [--device cuda --dtype bfloat16]
 
 For batch 1 and 8: tokens/s of draftsmith's autoregressive decoding and of each speculative
 method, next to transformers' ``generate`` (plain; with ``assistant_model``; with
@@ -10,8 +11,10 @@ measured costs, ``(1 + E[accepted]) * c_ar / (c_draft + c_verify)`` (E per reque
 nothing included; per step, with
 ``c_ar`` one autoregressive step, ``c_verify`` one target forward over k + 1 tokens, ``c_draft``
 one proposer call; timed by ``infer.harness.instrument``), and the ratio measured / predicted.
-Greedy decoding, fp32, CPU threads as torch sets them. ``--record`` appends the table to
-docs/benchmarks.md. ``python infer.py mode=eval`` is the fuller version (a method x k x
+Greedy decoding; fp32 on CPU (threads as torch sets them). On CUDA the engine's steps are CUDA
+graphs, so an extra row runs the same decoding with ``enforce_eager=True``, and the roofline
+line compares the decode step with the time to stream the weights once at the GPU's memory
+bandwidth. ``--record`` appends the table to docs/benchmarks.md. ``python infer.py mode=eval`` is the fuller version (a method x k x
 temperature x batch matrix, the k advisor, plots, W&B).
 """
 
@@ -32,10 +35,15 @@ from train.tiny_target import default_draft_dir
 from train.tiny_target_build import ensure_tiny_target
 
 
-def run_engine(target: str, spec, prompts, max_tokens: int, batch: int) -> dict:
-    llm = LLM(target, speculative_config=spec, max_num_seqs=batch, device="cpu")
+def run_engine(target: str, spec, prompts, max_tokens: int, batch: int, device: str = "cpu",
+               dtype: str = "auto", eager: bool = False) -> dict:
+    llm = LLM(target, speculative_config=spec, max_num_seqs=batch, device=device, dtype=dtype,
+              enforce_eager=eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    if llm.static_forward is not None:  # CUDA graphs: capture every shape before timing
+        llm.generate(prompts, params)
+    else:
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.metrics.__init__()
     with instrument(llm) as timers:  # step / verify forward / propose wall times
         start = time.perf_counter()
@@ -54,18 +62,19 @@ def run_engine(target: str, spec, prompts, max_tokens: int, batch: int) -> dict:
 
 
 def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: str,
-           k: int) -> float | None:
+           k: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if mode != "plain" and batch > 1:
         return None  # transformers' assisted / prompt-lookup generation is batch-1 only
     tok = AutoTokenizer.from_pretrained(target)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval().to(device)
     kwargs = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False,
               "pad_token_id": tok.pad_token_id}
     if mode == "assistant":
-        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft).eval()
+        kwargs["assistant_model"] = AutoModelForCausalLM.from_pretrained(
+            draft, dtype=dtype).eval().to(device)
         kwargs["num_assistant_tokens"] = k
         kwargs["num_assistant_tokens_schedule"] = "constant"
     elif mode == "prompt_lookup":
@@ -74,18 +83,44 @@ def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: 
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
             enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True,
-                      add_special_tokens=False)
+                      add_special_tokens=False).to(device)
             out = model.generate(**enc, **kwargs)
             tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     return tokens / (time.perf_counter() - start)
 
 
+# memory bandwidth (GB/s) by device name, for the roofline line (vendor figures)
+MEMORY_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000,
+                        "H100": 3350, "A100-SXM4-80GB": 2039, "A100": 1555, "L40S": 864}
+
+
+def roofline(target: str, device: str, dtype: str, c_step: float, batch: int) -> str:
+    """One sentence: the AR step against streaming the weights once at the GPU's bandwidth."""
+    if not device.startswith("cuda"):
+        return ""
+    from infer.models.loader import load_model
+
+    model = load_model(target, dtype="auto" if dtype == "auto" else getattr(torch, dtype),
+                       device="cpu")
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    name = torch.cuda.get_device_name()
+    bw = next((v for k, v in MEMORY_BANDWIDTH_GBS.items() if k in name), None)
+    floor = f", the weight-streaming floor at {bw} GB/s is {nbytes / bw / 1e3:.1f} us" if bw \
+        else ""
+    return (f"Roofline, batch {batch}: {nbytes / 1e6:.1f} MB of weights; one decode step takes "
+            f"{c_step * 1e6:.1f} us ({nbytes / c_step / 1e9:.1f} GB/s achieved){floor} on {name}.")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description="draftsmith engine benchmark (tiny target, CPU)")
+    ap = argparse.ArgumentParser(description="draftsmith engine benchmark (tiny target)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
     args = ap.parse_args()
 
@@ -94,21 +129,33 @@ def main() -> None:
     methods = {"ngram": {"method": "ngram"}, "suffix": {"method": "suffix"},
                "draft_model": {"method": "draft_model", "model": draft}}
     hf_modes = {"ngram": "prompt_lookup", "draft_model": "assistant"}
+    cuda = args.device.startswith("cuda")
+    hf_dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
+    engine = dict(device=args.device, dtype=args.dtype)
     lines = ["| batch | method | k | tok/s | HF tok/s | accept len | speedup | predicted | "
              "measured/predicted |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for batch in args.batches:
-        ar = run_engine(target, None, prompts, args.max_tokens, batch)
-        hf_plain = run_hf(target, draft, prompts, args.max_tokens, batch, "plain", 0)
+        ar = run_engine(target, None, prompts, args.max_tokens, batch, **engine)
+        hf_plain = run_hf(target, draft, prompts, args.max_tokens, batch, "plain", 0,
+                          args.device, hf_dtype)
         lines.append(f"| {batch} | autoregressive | - | {ar['tok_s']:.1f} | {hf_plain:.1f} | 1.00 "
                      f"| 1.00 | - | - |")
         print(lines[-1], flush=True)
+        if cuda:  # the same steps without CUDA graphs
+            eager = run_engine(target, None, prompts, args.max_tokens, batch, **engine,
+                               eager=True)
+            lines.append(f"| {batch} | autoregressive (enforce_eager) | - | {eager['tok_s']:.1f} "
+                         f"| - | 1.00 | {eager['tok_s'] / ar['tok_s']:.2f} | - | - |")
+            notes.append(roofline(target, args.device, args.dtype, ar["c_step"], batch))
+            print(lines[-1], notes[-1], sep="\n", flush=True)
         for name, base in methods.items():
             for k in args.k:
                 r = run_engine(target, {**base, "num_speculative_tokens": k}, prompts,
-                               args.max_tokens, batch)
+                               args.max_tokens, batch, **engine)
                 lossless = r["outputs"] == ar["outputs"]
-                hf = run_hf(target, draft, prompts, args.max_tokens, batch,
-                            hf_modes[name], k) if name in hf_modes else None
+                hf = run_hf(target, draft, prompts, args.max_tokens, batch, hf_modes[name], k,
+                            args.device, hf_dtype) if name in hf_modes else None
                 pred = (1 + r["e_acc"]) * ar["c_step"] / (r["c_draft"] + r["c_verify"])
                 speed = r["tok_s"] / ar["tok_s"]
                 lines.append(f"| {batch} | {name}{'' if lossless else ' (MISMATCH)'} | {k} | "
@@ -116,12 +163,14 @@ def main() -> None:
                              f"{r['accept_len']:.2f} | {speed:.2f} | {pred:.2f} | "
                              f"{speed / pred:.2f} |")
                 print(lines[-1], flush=True)
-    header = (f"\n## Engine throughput, tiny target (CPU)\n\n`python scripts/bench_engine.py "
-              f"--prompts {args.prompts} --max-tokens {args.max_tokens}` on "
-              f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
+    where = (torch.cuda.get_device_name() if cuda
+             else f"{platform.machine()}, {torch.get_num_threads()} threads")
+    header = (f"\n## Engine throughput, tiny target ({'GPU' if cuda else 'CPU'})\n\n"
+              f"`python scripts/bench_engine.py --prompts {args.prompts} --max-tokens "
+              f"{args.max_tokens} --device {args.device} --dtype {args.dtype}` on {where}, torch "
               f"{torch.__version__}, {time.strftime('%Y-%m-%d')}. HF = transformers generate "
               "(plain; assistant_model for draft_model; prompt_lookup_num_tokens for ngram).\n\n")
-    table = header + "\n".join(lines) + "\n"
+    table = header + "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes if n)
     print(table)
     if args.record:
         path = Path("docs/benchmarks.md")

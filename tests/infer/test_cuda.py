@@ -1,0 +1,66 @@
+"""What only a GPU can show (skipped without CUDA; ``pytest -m cuda`` runs them): CUDA-graph steps
+are lossless against eager steps, replay without host syncs, and bf16 serving works end to end.
+
+The CPU twins of these checks are in test_graphs.py (the same static-shape code, run eagerly).
+"""
+
+import pytest
+import torch
+
+from infer.engine import LLM
+from infer.sampling import SamplingParams
+
+from .conftest import ENGINE_PROMPTS
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SPECS = {"autoregressive": None,
+         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+         "draft_model": "draft"}
+
+
+def _spec(name, draft):
+    spec = SPECS[name]
+    if spec == "draft":
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    return spec
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_graph_steps_equal_eager_steps(tiny_target, tiny_draft, name):
+    spec = _spec(name, tiny_draft)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (12, 5, 9, 7)]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(tiny_target, speculative_config=spec, device="cuda", dtype="float32",
+                  max_num_seqs=2, enforce_eager=eager)
+        runs[eager] = ([o.token_ids for o in llm.generate(ENGINE_PROMPTS, params)],
+                       llm.get_metrics(), llm)
+    assert runs[False][0] == runs[True][0]
+    assert runs[False][1] == runs[True][1]
+    graphs = runs[False][2].static_forward.graphs
+    assert graphs and all(g.graph is not None for g in graphs.values())  # really captured
+
+
+def test_graph_replay_does_not_sync(tiny_target):
+    """A captured step replays with no host synchronisation (CUDA's sync debug mode raises)."""
+    llm = LLM(tiny_target, device="cuda", dtype="float32", max_num_seqs=2)
+    llm.generate(ENGINE_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4))
+    graph = next(iter(llm.static_forward.graphs.values()))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_bf16_serving_with_graphs(tiny_target):
+    spec = SPECS["ngram"]
+    llm = LLM(tiny_target, speculative_config=spec, device="cuda", dtype="bfloat16")
+    out = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.8, max_tokens=16, seed=3))
+    assert all(len(o.token_ids) == 16 for o in out)
+    assert llm.cache.k.dtype == torch.bfloat16 and llm.static_forward.graphs
