@@ -78,7 +78,7 @@ class LLM:
         self._aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
         # steps in fixed shapes, captured as CUDA graphs; None: the plain forward (CPU, eager)
         self.static_forward = None
-        if self.device.type == "cuda" and not self.enforce_eager:
+        if self._cuda_graphs:
             self.static_forward = StaticForward(self.target, self.cache, self._aux_ids)
         self.metrics = SpecMetrics()
         self._running: list[Request] = []
@@ -119,6 +119,10 @@ class LLM:
     def get_metrics(self) -> dict:
         """Cumulative speculative metrics over every ``generate`` call (REFERENCE section 3)."""
         return self.metrics.as_dict()
+
+    @property
+    def _cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.enforce_eager
 
     @property
     def k(self) -> int:
@@ -287,7 +291,8 @@ class LLM:
             return None
         self.spec.check_against_target(self.max_model_len)
         ctx = ProposerContext(self.target, self.target.config, self.device, dtype,
-                              self.max_num_seqs, self.max_model_len, self.target.config.vocab_size)
+                              self.max_num_seqs, self.max_model_len, self.target.config.vocab_size,
+                              self._cuda_graphs)
         return get_proposer_class(self.spec.method)(self.spec, ctx)
 
     def _make_requests(self, prompts: Any, params: Any) -> list[Request]:

@@ -33,6 +33,7 @@ class ProposerContext:
     max_num_seqs: int
     max_model_len: int
     vocab_size: int
+    cuda_graphs: bool = False  # whether model steps run as CUDA graphs (infer/graphs.py)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 from infer.proposers.base import DraftBatch, Proposal, Proposer, ProposerContext, register
@@ -50,6 +51,8 @@ class DraftModelProposer(Proposer):
         self.cache = KVCache.for_model(self.model.config, ctx.max_num_seqs, self.max_len + self.k,
                                        dtype=ctx.dtype, device=ctx.device)
         self.fed = [0] * ctx.max_num_seqs  # verified tokens held in each slot's draft cache
+        # the k - 1 one-token steps as CUDA graphs (the catch-up forward is ragged: eager)
+        self.static = StaticForward(self.model, self.cache) if ctx.cuda_graphs else None
         self.sample = spec.rejection_sample_method == "probabilistic"
 
     def start(self, slot: int, prompt_ids: list[int]) -> None:
@@ -103,8 +106,17 @@ class DraftModelProposer(Proposer):
             tokens.append(tok)
             probs.append(q)
             if step + 1 < batch.k:
-                logits = self.model(tok, self.cache, slots).logits  # [B, 1, vocab]
+                logits = self._decode(tok, slots, batch, step)  # [B, 1, vocab]
         return torch.cat(tokens, dim=1), torch.cat(probs, dim=1)  # [B, k], [B, k, vocab]
+
+    def _decode(self, tok: torch.Tensor, slots: torch.Tensor, batch: DraftBatch,
+                step: int) -> torch.Tensor:
+        """One drafted token per row into the draft cache; logits ``[B, 1, vocab]``."""
+        if self.static is None:
+            return self.model(tok, self.cache, slots).logits
+        ones = torch.ones(len(batch.slots), dtype=torch.long, device=self.ctx.device)  # [B]
+        longest = max(len(t) for t in batch.token_ids) + step + 1  # cache rows after this step
+        return self.static(tok, batch.slots, ones, longest).logits
 
     def _parallel(self, feeds: list[list[int]], slots: torch.Tensor, k: int) -> torch.Tensor:
         masked = [f + [self.mask_id] * (k - 1) for f in feeds]

@@ -40,8 +40,10 @@ def test_graph_steps_equal_eager_steps(tiny_target, tiny_draft, name):
                        llm.get_metrics(), llm)
     assert runs[False][0] == runs[True][0]
     assert runs[False][1] == runs[True][1]
-    graphs = runs[False][2].static_forward.graphs
-    assert graphs and all(g.graph is not None for g in graphs.values())  # really captured
+    llm = runs[False][2]
+    runners = [llm.static_forward] + ([llm.proposer.static] if name == "draft_model" else [])
+    for runner in runners:  # the target's verify steps and the draft model's one-token steps
+        assert runner.graphs and all(g.graph is not None for g in runner.graphs.values())
 
 
 def test_graph_replay_does_not_sync(tiny_target):

@@ -78,7 +78,11 @@ def test_static_forward_equals_the_plain_forward(tiny_target):
 
 
 def _force_static(llm):
+    """What ``LLM(device="cuda")`` sets up, with the graphs run eagerly."""
     llm.static_forward = StaticForward(llm.target, llm.cache, llm._aux_ids, capture=False)
+    if hasattr(llm.proposer, "static"):  # the draft model's one-token steps
+        llm.proposer.static = StaticForward(llm.proposer.model, llm.proposer.cache,
+                                            capture=False)
     return llm
 
 
@@ -100,6 +104,8 @@ def test_engine_static_steps_are_lossless(tiny_target, tiny_draft, spec):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert static.get_metrics() == plain.get_metrics()
     assert static.static_forward.graphs  # the static path ran
+    if spec and spec["method"] == "draft_model":
+        assert static.proposer.static.graphs  # and drafted
 
 
 def test_engine_uses_static_steps_only_on_cuda_unless_eager(tiny_target):
