@@ -165,20 +165,23 @@ class Timer:
 @dataclass
 class EngineTimers:
     """``step``: ``speculative_step``; ``verify``: target forwards of steps (not prefills), whose
-    ``rows`` count request-steps; ``draft``: ``proposer.propose``."""
+    ``rows`` count request-steps; ``draft``: ``proposer.propose``; ``prefill``: prompt
+    prefills (speculation does not change them)."""
 
     step: Timer
     verify: Timer
     draft: Timer
+    prefill: Timer
 
 
 @contextmanager
 def instrument(llm: LLM) -> Iterator[EngineTimers]:
     """Time an engine's steps, verify forwards and proposer calls; restores them on exit."""
-    timers = EngineTimers(Timer(llm.device), Timer(llm.device), Timer(llm.device))
+    timers = EngineTimers(*(Timer(llm.device) for _ in range(4)))
     patched = [(llm, "speculative_step", timers.step.wrap(llm.speculative_step)),
                (llm, "_verify", timers.verify.wrap(  # graph replays included, prefills not
-                   llm._verify, rows=lambda ids, *a, **k: ids.shape[0]))]
+                   llm._verify, rows=lambda ids, *a, **k: ids.shape[0])),
+               (llm, "_prefill", timers.prefill.wrap(llm._prefill))]
     if llm.proposer is not None:
         patched.append((llm.proposer, "propose", timers.draft.wrap(llm.proposer.propose)))
     for obj, name, fn in patched:

@@ -7,15 +7,15 @@ For batch 1 and 8: tokens/s of draftsmith's autoregressive decoding and of each 
 method, next to transformers' ``generate`` (plain; with ``assistant_model``; with
 ``prompt_lookup_num_tokens``; the last two only at batch 1, which is all transformers supports).
 For each method it also reports the speedup predicted from the measured acceptance and the
-measured costs, ``(1 + E[accepted]) * c_ar / (c_draft + c_verify)`` (E per request-step, steps that drafted
-nothing included; per step, with
-``c_ar`` one autoregressive step, ``c_verify`` one target forward over k + 1 tokens, ``c_draft``
-one proposer call; timed by ``infer.harness.instrument``), and the ratio measured / predicted.
-Greedy decoding; fp32 on CPU (threads as torch sets them). On CUDA the engine's steps are CUDA
-graphs, so an extra row runs the same decoding with ``enforce_eager=True``, and the roofline
-line compares the decode step with the time to stream the weights once at the GPU's memory
-bandwidth. ``--record`` appends the table to docs/benchmarks.md. ``python infer.py mode=eval`` is the fuller version (a method x k x
-temperature x batch matrix, the k advisor, plots, W&B).
+measured costs (see ``predicted_speedup``: E[accepted] per request-step, steps that drafted
+nothing included; ``c_ar`` one autoregressive step, ``c_verify`` one target forward over k + 1
+tokens, ``c_draft`` one proposer call, the prefill time common to both runs; timed by
+``infer.harness.instrument``), and the ratio measured / predicted. Greedy decoding; fp32 on
+CPU (threads as torch sets them). On CUDA the engine's steps are CUDA graphs, so an extra row
+runs the same decoding with ``enforce_eager=True``, and the roofline line compares the decode
+step with the time to stream the weights once at the GPU's memory bandwidth. ``--record``
+appends the table to docs/benchmarks.md. ``python infer.py mode=eval`` is the fuller version
+(a method x k x temperature x batch matrix, the k advisor, plots, W&B).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def run_engine(target: str, spec, prompts, max_tokens: int, batch: int, device: 
     return {"tok_s": tokens / elapsed, "tokens": tokens, "accept_len": m["mean_acceptance_length"],
             "e_acc": m["num_accepted_tokens"] / request_steps,
             "c_step": timers.step.mean, "c_verify": timers.verify.mean,
-            "c_draft": timers.draft.mean, "outputs": [o.token_ids for o in outs]}
+            "c_draft": timers.draft.mean, "steps": timers.step.calls,
+            "prefill_s": timers.prefill.seconds, "outputs": [o.token_ids for o in outs]}
 
 
 def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: str,
@@ -89,6 +90,18 @@ def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: 
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return tokens / (time.perf_counter() - start)
+
+
+def predicted_speedup(ar: dict, spec: dict) -> float:
+    """Whole-run speedup predicted from the measured acceptance and costs: the autoregressive
+    run's ``steps`` of ``c_ar`` shrink by ``1 + E[accepted]`` and each costs ``c_draft +
+    c_verify``; the prefill time ``P`` (measured on the autoregressive run) is the same in
+    both, which speculation cannot shorten: ``(P + N c_ar) / (P + N / (1 + E) (c_d + c_v))``.
+    Rejection sampling and bookkeeping are not in ``c_d + c_v``: measured/predicted shows them.
+    """
+    p, n = ar["prefill_s"], ar["steps"]
+    return (p + n * ar["c_step"]) / (p + n / (1 + spec["e_acc"]) * (spec["c_draft"]
+                                                                     + spec["c_verify"]))
 
 
 # memory bandwidth (GB/s) by device name, for the roofline line (vendor figures)
@@ -156,7 +169,7 @@ def main() -> None:
                 lossless = r["outputs"] == ar["outputs"]
                 hf = run_hf(target, draft, prompts, args.max_tokens, batch, hf_modes[name], k,
                             args.device, hf_dtype) if name in hf_modes else None
-                pred = (1 + r["e_acc"]) * ar["c_step"] / (r["c_draft"] + r["c_verify"])
+                pred = predicted_speedup(ar, r)
                 speed = r["tok_s"] / ar["tok_s"]
                 lines.append(f"| {batch} | {name}{'' if lossless else ' (MISMATCH)'} | {k} | "
                              f"{r['tok_s']:.1f} | {'n/a' if hf is None else f'{hf:.1f}'} | "
