@@ -78,8 +78,9 @@ class LLM:
         self._aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
         # steps in fixed shapes, captured as CUDA graphs; None: the plain forward (CPU, eager)
         self.static_forward = None
-        if self._cuda_graphs:
-            self.static_forward = StaticForward(self.target, self.cache, self._aux_ids)
+        if self._graph_capture is not None:
+            self.static_forward = StaticForward(self.target, self.cache, self._graph_capture,
+                                                aux_layer_ids=self._aux_ids)
         self.metrics = SpecMetrics()
         self._running: list[Request] = []
 
@@ -121,8 +122,10 @@ class LLM:
         return self.metrics.as_dict()
 
     @property
-    def _cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.enforce_eager
+    def _graph_capture(self) -> bool | None:
+        """True: steps in fixed shapes captured as CUDA graphs (CUDA, unless enforce_eager);
+        None: plain forwards. (False, the fixed shapes run eagerly, is for CPU tests.)"""
+        return True if self.device.type == "cuda" and not self.enforce_eager else None
 
     @property
     def k(self) -> int:
@@ -169,7 +172,8 @@ class LLM:
         """The step's one target forward over ``inputs [B, k + 1]`` (``num_tokens [B]`` real)."""
         if self.static_forward is not None:
             longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
-            return self.static_forward(inputs, [r.slot for r in reqs], num_tokens, longest)
+            return self.static_forward(inputs, slots=[r.slot for r in reqs],
+                                       num_tokens=num_tokens, max_len=longest)
         # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's keys
         target_slots = None if _in_order([r.slot for r in reqs]) else slots
         return self.target(inputs, self.cache, target_slots, num_tokens=num_tokens,
@@ -292,7 +296,7 @@ class LLM:
         self.spec.check_against_target(self.max_model_len)
         ctx = ProposerContext(self.target, self.target.config, self.device, dtype,
                               self.max_num_seqs, self.max_model_len, self.target.config.vocab_size,
-                              self._cuda_graphs)
+                              self._graph_capture)
         return get_proposer_class(self.spec.method)(self.spec, ctx)
 
     def _make_requests(self, prompts: Any, params: Any) -> list[Request]:

@@ -26,13 +26,13 @@ CPU tests check this bookkeeping against the plain forward.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from infer.kv_cache import KVCache
-from infer.models.llama import Llama, ModelOutput
 
 MIN_KV_BUCKET = 256
 
@@ -54,7 +54,7 @@ def kv_bucket(need: int, capacity: int) -> int:
 class _Graph:
     """One static-shape call: a CUDA graph when ``capture``, else the function itself."""
 
-    def __init__(self, fn: Callable[[], ModelOutput], cache: KVCache, capture: bool,
+    def __init__(self, fn: Callable[[], Any], cache: KVCache, capture: bool,
                  pool=None) -> None:
         self.fn, self.graph = fn, None
         saved = cache.lens.clone()
@@ -72,7 +72,7 @@ class _Graph:
             fn()  # the same warm-up and undo, so CPU tests exercise them
             cache.lens.copy_(saved)
 
-    def __call__(self) -> ModelOutput:
+    def __call__(self) -> Any:
         if self.graph is None:
             return self.fn()
         self.graph.replay()
@@ -80,26 +80,30 @@ class _Graph:
 
 
 class StaticForward:
-    """``model``'s cached forward over ``cache`` in fixed shapes, captured per shape on CUDA.
+    """A cached forward over ``cache`` in fixed shapes, captured per shape on CUDA.
 
-    ``capture=None``: capture on CUDA, run eagerly elsewhere (see the module doc).
+    ``module`` is a cached forward with the contract of :meth:`Llama.forward` (the target, a
+    draft LM) or :meth:`~infer.drafters.common.PairDrafter.forward` (EAGLE heads, which take a
+    ``[B, T, H]`` hidden-state input after the ids): it is called as ``module(ids, *row_inputs,
+    cache, None, num_tokens=..., kv_len=..., **kwargs)``. ``capture=None``: capture on CUDA, run
+    eagerly elsewhere (see the module doc).
     """
 
-    def __init__(self, model: Llama, cache: KVCache, aux_layer_ids=(),
-                 capture: bool | None = None) -> None:
-        self.model, self.cache = model, cache
-        self.aux_layer_ids = tuple(aux_layer_ids)
+    def __init__(self, module: Callable[..., Any], cache: KVCache, capture: bool | None = None,
+                 **kwargs: Any) -> None:
+        self.module, self.cache, self.kwargs = module, cache, kwargs
         self.device = cache.lens.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.sizes = row_sizes(cache.max_batch)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
-        self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (ids [rows, T], num [rows])
+        self._buffers: dict[int, list[Tensor]] = {}  # T -> [ids, num_tokens, *row_inputs]
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
-    def __call__(self, input_ids: Tensor, slots: list[int], num_tokens: Tensor,
-                 max_len: int) -> ModelOutput:
-        """Forward ``input_ids [B, T]`` for cache rows ``slots`` (any order) with ``num_tokens
-        [B]`` real tokens each, as :meth:`Llama.forward` would; outputs in the order of ``slots``.
+    def __call__(self, input_ids: Tensor, *row_inputs: Tensor, slots: list[int], max_len: int,
+                 num_tokens: Tensor | None = None) -> Any:
+        """Forward ``input_ids [B, T]`` (and ``row_inputs``, each ``[B, T, ...]``) for cache rows
+        ``slots`` (any order) with ``num_tokens [B]`` real tokens each (default all ``T``), as
+        the plain module would; every output tensor comes back in the order of ``slots`` (a copy).
 
         ``max_len``: a host-side bound on ``lens[slot] + num_tokens`` over the batch (the engine
         knows its requests' lengths), which picks the key bucket without reading the device.
@@ -107,31 +111,45 @@ class StaticForward:
         t = input_ids.shape[1]
         rows = next(s for s in self.sizes if s > max(slots))
         kv_len = kv_bucket(max_len, self.cache.capacity)
-        ids, num = self._inputs(t)
+        ids, num, *extra = self._inputs(t, row_inputs)
         index = torch.tensor(slots, device=self.device)  # [B]
         num.zero_()  # rows without a request this step: no tokens
-        num.index_copy_(0, index, num_tokens.to(num.dtype))
-        ids.index_copy_(0, index, input_ids)
+        if num_tokens is None:
+            num.index_fill_(0, index, t)
+        else:
+            num.index_copy_(0, index, num_tokens.to(num.dtype))
+        for buf, x in zip([ids, *extra], [input_ids, *row_inputs]):
+            buf.index_copy_(0, index, x.to(buf.dtype))
         key = (rows, t, kv_len)
         if key not in self.graphs:
             self.graphs[key] = _Graph(self._step_fn(rows, t, kv_len), self.cache, self.capture,
                                       self._pool)
-        out = self.graphs[key]()  # rows [R] in cache order
-        return ModelOutput(out.logits.index_select(0, index), out.hidden.index_select(0, index),
-                           tuple(a.index_select(0, index) for a in out.aux))
+        return _select_rows(self.graphs[key](), index)  # from cache-row order to the caller's
 
-    def _inputs(self, t: int) -> tuple[Tensor, Tensor]:
+    def _inputs(self, t: int, row_inputs: tuple[Tensor, ...]) -> list[Tensor]:
         if t not in self._buffers:
             rows = self.cache.max_batch
-            self._buffers[t] = (torch.zeros(rows, t, dtype=torch.long, device=self.device),
-                                torch.zeros(rows, dtype=torch.long, device=self.device))
+            self._buffers[t] = [torch.zeros(rows, t, dtype=torch.long, device=self.device),
+                                torch.zeros(rows, dtype=torch.long, device=self.device)]
+            self._buffers[t] += [x.new_zeros(rows, *x.shape[1:]) for x in row_inputs]
         return self._buffers[t]
 
-    def _step_fn(self, rows: int, t: int, kv_len: int) -> Callable[[], ModelOutput]:
-        ids, num = self._inputs(t)
-        ids, num = ids[:rows], num[:rows]  # views: the graph reads what __call__ writes
+    def _step_fn(self, rows: int, t: int, kv_len: int) -> Callable[[], Any]:
+        ids, num, *extra = (b[:rows] for b in self._buffers[t])  # views: what __call__ writes
 
-        def step() -> ModelOutput:
-            return self.model(ids, self.cache, None, num_tokens=num,
-                              aux_layer_ids=self.aux_layer_ids, kv_len=kv_len)
+        def step() -> Any:
+            return self.module(ids, *extra, self.cache, None, num_tokens=num, kv_len=kv_len,
+                               **self.kwargs)
         return step
+
+
+def _select_rows(out: Any, index: Tensor) -> Any:
+    """Rows ``index`` of every tensor in a forward's output (tensor, tuple or dataclass)."""
+    if isinstance(out, Tensor):
+        return out.index_select(0, index)
+    if isinstance(out, tuple):
+        return tuple(_select_rows(o, index) for o in out)
+    if is_dataclass(out):
+        return replace(out, **{f.name: _select_rows(getattr(out, f.name), index)
+                               for f in fields(out)})
+    return out

@@ -6,10 +6,9 @@
 For batch 1 and 8: tokens/s of draftsmith's autoregressive decoding and of each speculative
 method, next to transformers' ``generate`` (plain; with ``assistant_model``; with
 ``prompt_lookup_num_tokens``; the last two only at batch 1, which is all transformers supports).
-For each method it also reports the speedup predicted from the measured acceptance and the
-measured costs (see ``predicted_speedup``: E[accepted] per request-step, steps that drafted
-nothing included; ``c_ar`` one autoregressive step, ``c_verify`` one target forward over k + 1
-tokens, ``c_draft`` one proposer call, the prefill time common to both runs; timed by
+For each method it also reports the speedup predicted from the measured steps and costs (see
+``predicted_speedup``: ``c_ar`` one autoregressive step, ``c_verify`` one target forward over
+k + 1 tokens, ``c_draft`` one proposer call, the prefill time common to both runs; timed by
 ``infer.harness.instrument``), and the ratio measured / predicted. Greedy decoding; fp32 on
 CPU (threads as torch sets them). On CUDA the engine's steps are CUDA graphs, so an extra row
 runs the same decoding with ``enforce_eager=True``, and the roofline line compares the decode
@@ -51,12 +50,7 @@ def run_engine(target: str, spec, prompts, max_tokens: int, batch: int, device: 
         elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     m = llm.get_metrics()
-    # each request-step emits one recovered/bonus token besides its accepted drafts, and the
-    # prefill emits one token per prompt: E[accepted per request-step] counts steps that drafted
-    # nothing (n-gram misses), unlike the acceptance length
-    request_steps = max(tokens - len(prompts) - m["num_accepted_tokens"], 1)
     return {"tok_s": tokens / elapsed, "tokens": tokens, "accept_len": m["mean_acceptance_length"],
-            "e_acc": m["num_accepted_tokens"] / request_steps,
             "c_step": timers.step.mean, "c_verify": timers.verify.mean,
             "c_draft": timers.draft.mean, "steps": timers.step.calls,
             "prefill_s": timers.prefill.seconds, "outputs": [o.token_ids for o in outs]}
@@ -93,15 +87,17 @@ def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: 
 
 
 def predicted_speedup(ar: dict, spec: dict) -> float:
-    """Whole-run speedup predicted from the measured acceptance and costs: the autoregressive
-    run's ``steps`` of ``c_ar`` shrink by ``1 + E[accepted]`` and each costs ``c_draft +
-    c_verify``; the prefill time ``P`` (measured on the autoregressive run) is the same in
-    both, which speculation cannot shorten: ``(P + N c_ar) / (P + N / (1 + E) (c_d + c_v))``.
-    Rejection sampling and bookkeeping are not in ``c_d + c_v``: measured/predicted shows them.
+    """Whole-run speedup predicted from the measured steps and costs:
+    ``(P + N_ar c_ar) / (P + N_spec (c_draft + c_verify))``, with ``P`` the prefill time (the
+    same in both runs, which speculation cannot shorten) and ``N`` the batch steps. At batch 1,
+    ``N_spec = N_ar / (1 + E[accepted])``; with a batch, a step serves every running request,
+    so ``N_spec`` follows the request with the fewest accepted tokens (measured, not averaged).
+    Rejection sampling and bookkeeping are not in ``c_draft + c_verify``: measured/predicted
+    shows what they cost.
     """
-    p, n = ar["prefill_s"], ar["steps"]
-    return (p + n * ar["c_step"]) / (p + n / (1 + spec["e_acc"]) * (spec["c_draft"]
-                                                                     + spec["c_verify"]))
+    p = ar["prefill_s"]
+    return (p + ar["steps"] * ar["c_step"]) / (p + spec["steps"] * (spec["c_draft"]
+                                                                    + spec["c_verify"]))
 
 
 # memory bandwidth (GB/s) by device name, for the roofline line (vendor figures)
@@ -145,21 +141,22 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     hf_dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     engine = dict(device=args.device, dtype=args.dtype)
-    lines = ["| batch | method | k | tok/s | HF tok/s | accept len | speedup | predicted | "
-             "measured/predicted |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | method | k | tok/s | HF tok/s | accept len | steps | speedup | predicted | "
+             "measured/predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for batch in args.batches:
         ar = run_engine(target, None, prompts, args.max_tokens, batch, **engine)
         hf_plain = run_hf(target, draft, prompts, args.max_tokens, batch, "plain", 0,
                           args.device, hf_dtype)
         lines.append(f"| {batch} | autoregressive | - | {ar['tok_s']:.1f} | {hf_plain:.1f} | 1.00 "
-                     f"| 1.00 | - | - |")
+                     f"| {ar['steps']} | 1.00 | - | - |")
         print(lines[-1], flush=True)
         if cuda:  # the same steps without CUDA graphs
             eager = run_engine(target, None, prompts, args.max_tokens, batch, **engine,
                                eager=True)
             lines.append(f"| {batch} | autoregressive (enforce_eager) | - | {eager['tok_s']:.1f} "
-                         f"| - | 1.00 | {eager['tok_s'] / ar['tok_s']:.2f} | - | - |")
+                         f"| - | 1.00 | {eager['steps']} | {eager['tok_s'] / ar['tok_s']:.2f} | - "
+                         "| - |")
             notes.append(roofline(target, args.device, args.dtype, ar["c_step"], batch))
             print(lines[-1], notes[-1], sep="\n", flush=True)
         for name, base in methods.items():
@@ -173,7 +170,7 @@ def main() -> None:
                 speed = r["tok_s"] / ar["tok_s"]
                 lines.append(f"| {batch} | {name}{'' if lossless else ' (MISMATCH)'} | {k} | "
                              f"{r['tok_s']:.1f} | {'n/a' if hf is None else f'{hf:.1f}'} | "
-                             f"{r['accept_len']:.2f} | {speed:.2f} | {pred:.2f} | "
+                             f"{r['accept_len']:.2f} | {r['steps']} | {speed:.2f} | {pred:.2f} | "
                              f"{speed / pred:.2f} |")
                 print(lines[-1], flush=True)
     where = (torch.cuda.get_device_name() if cuda

@@ -33,7 +33,9 @@ class ProposerContext:
     max_num_seqs: int
     max_model_len: int
     vocab_size: int
-    cuda_graphs: bool = False  # whether model steps run as CUDA graphs (infer/graphs.py)
+    # model steps in fixed shapes (infer/graphs.py): True captured as CUDA graphs, False run
+    # eagerly (CPU tests), None plain forwards
+    graph_capture: bool | None = None
 
 
 @dataclass

@@ -52,7 +52,9 @@ class DraftModelProposer(Proposer):
                                        dtype=ctx.dtype, device=ctx.device)
         self.fed = [0] * ctx.max_num_seqs  # verified tokens held in each slot's draft cache
         # the k - 1 one-token steps as CUDA graphs (the catch-up forward is ragged: eager)
-        self.static = StaticForward(self.model, self.cache) if ctx.cuda_graphs else None
+        self.static = None
+        if ctx.graph_capture is not None:
+            self.static = StaticForward(self.model, self.cache, ctx.graph_capture)
         self.sample = spec.rejection_sample_method == "probabilistic"
 
     def start(self, slot: int, prompt_ids: list[int]) -> None:
@@ -114,9 +116,8 @@ class DraftModelProposer(Proposer):
         """One drafted token per row into the draft cache; logits ``[B, 1, vocab]``."""
         if self.static is None:
             return self.model(tok, self.cache, slots).logits
-        ones = torch.ones(len(batch.slots), dtype=torch.long, device=self.ctx.device)  # [B]
         longest = max(len(t) for t in batch.token_ids) + step + 1  # cache rows after this step
-        return self.static(tok, batch.slots, ones, longest).logits
+        return self.static(tok, slots=batch.slots, max_len=longest).logits
 
     def _parallel(self, feeds: list[list[int]], slots: torch.Tensor, k: int) -> torch.Tensor:
         masked = [f + [self.mask_id] * (k - 1) for f in feeds]

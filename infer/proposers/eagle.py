@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from infer.drafters.eagle import EagleDrafter
+from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
                                   register)
@@ -63,6 +64,10 @@ class EagleChainProposer(Proposer):
         self.fed = [0] * ctx.max_num_seqs  # verified pairs held in each slot's draft cache
         self.pending: dict[int, Tensor] = {}  # slot -> [m, H] prepared features not yet fed
         self.sample = spec.rejection_sample_method == "probabilistic"
+        # the k - 1 one-pair draft steps in fixed shapes (CUDA graphs); the catch-up is ragged
+        self.static = None
+        if ctx.graph_capture is not None:
+            self.static = StaticForward(self.drafter, self.cache, ctx.graph_capture)
 
     # ---- subclass hooks ----------------------------------------------------------------------
 
@@ -117,9 +122,18 @@ class EagleChainProposer(Proposer):
             tokens.append(tok)
             probs.append(q)
             if step + 1 < batch.k:
-                logits, hidden = self.drafter(tok, hidden, self.cache, slots)
+                logits, hidden = self._decode(tok, hidden, slots, batch, step)
         draft_probs = torch.cat(probs, dim=1) if self.sample else None  # [B, k, vocab]
         return Proposal(torch.cat(tokens, dim=1), draft_probs)  # [B, k]
+
+    def _decode(self, tok: Tensor, hidden: Tensor, slots: Tensor, batch: DraftBatch,
+                step: int) -> tuple[Tensor, Tensor]:
+        """One pair per row (the head's own hidden state fed back) into the draft cache:
+        ``(logits [B, 1, V'], hidden [B, 1, H])``."""
+        if self.static is None:
+            return self.drafter(tok, hidden, self.cache, slots)
+        longest = max(len(t) for t in batch.token_ids) + step  # cache rows after this step
+        return self.static(tok, hidden, slots=batch.slots, max_len=longest)
 
     def _catch_up_inputs(self, batch: DraftBatch) -> tuple[Tensor, Tensor, list[int]]:
         """Pending pairs per row, right-padded: tokens ``[B, T]``, features ``[B, T, H]``."""

@@ -51,7 +51,7 @@ def test_static_forward_equals_the_plain_forward(tiny_target):
     model = load_model(tiny_target, dtype=torch.float32, device="cpu")
     plain = _prefilled(model, (5, 9, 3))
     static = _clone(plain)
-    runner = StaticForward(model, static, aux_layer_ids=(1, 2), capture=False)
+    runner = StaticForward(model, static, capture=False, aux_layer_ids=(1, 2))
     gen = torch.Generator().manual_seed(1)
     # several steps: lengths and keys must stay in step; the last as if slot 1 had finished
     for slots, num in [([3, 0, 1], [4, 1, 3])] * 3 + [([3, 0], [2, 4])]:
@@ -60,7 +60,7 @@ def test_static_forward_equals_the_plain_forward(tiny_target):
         ids = torch.randint(model.config.vocab_size, (len(slots), 4), generator=gen)  # [B, k+1]
         want = model(ids, plain, torch.tensor(slots), num_tokens=num, aux_layer_ids=(1, 2))
         longest = int((plain.lens[slots]).max())  # after the step: what the engine bounds
-        got = runner(ids, slots, num, longest)
+        got = runner(ids, slots=slots, num_tokens=num, max_len=longest)
         for row, n in enumerate(num.tolist()):  # padding outputs are garbage on both sides
             for a, b in zip((got.logits, got.hidden, *got.aux), (want.logits, want.hidden,
                                                                  *want.aux)):
@@ -77,19 +77,10 @@ def test_static_forward_equals_the_plain_forward(tiny_target):
     assert set(runner.graphs) == {(4, 4, MIN_KV_BUCKET)}  # one shape: slot 3 -> 4 rows
 
 
-def _force_static(llm):
-    """What ``LLM(device="cuda")`` sets up, with the graphs run eagerly."""
-    llm.static_forward = StaticForward(llm.target, llm.cache, llm._aux_ids, capture=False)
-    if hasattr(llm.proposer, "static"):  # the draft model's one-token steps
-        llm.proposer.static = StaticForward(llm.proposer.model, llm.proposer.cache,
-                                            capture=False)
-    return llm
-
-
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_min": 1}, "draft"],
                          ids=["autoregressive", "ngram", "draft_model"])
-def test_engine_static_steps_are_lossless(tiny_target, tiny_draft, spec):
+def test_engine_static_steps_are_lossless(tiny_target, tiny_draft, spec, monkeypatch):
     """Greedy output through the static path equals the plain engine's, with continuous batching
     (2 slots for 4 requests: finished slots are refilled, rows go out of order)."""
     if spec == "draft":
@@ -97,9 +88,10 @@ def test_engine_static_steps_are_lossless(tiny_target, tiny_draft, spec):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in (12, 5, 9, 7)]
     plain = LLM(tiny_target, speculative_config=spec, max_num_seqs=2, device="cpu")
-    static = _force_static(LLM(tiny_target, speculative_config=spec, max_num_seqs=2,
-                               device="cpu"))
     want = plain.generate(ENGINE_PROMPTS, params)
+    # what LLM(device="cuda") sets up, with the graphs run eagerly
+    monkeypatch.setattr(LLM, "_graph_capture", property(lambda self: False))
+    static = LLM(tiny_target, speculative_config=spec, max_num_seqs=2, device="cpu")
     got = static.generate(ENGINE_PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert static.get_metrics() == plain.get_metrics()
