@@ -61,6 +61,7 @@ class LLM:
                                f"<= the model's max_position_embeddings "
                                f"({cfg.max_position_embeddings})", _WHERE)
         self.enforce_eager = enforce_eager
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.tokenizer = _load_tokenizer(tokenizer or model)
         self.eos_ids = frozenset(cfg.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self._configure(max_num_seqs, seed)
@@ -70,6 +71,13 @@ class LLM:
         is set): KV cache, generator, proposer, metrics; the target is left as it is."""
         self.max_num_seqs = max_num_seqs
         dtype = next(self.target.parameters()).dtype
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            check_memory_budget(torch.cuda.memory_allocated(self.device),
+                                kv_cache_bytes(self.target.config, max_num_seqs,
+                                               self.max_model_len, dtype),
+                                total, self.gpu_memory_utilization, max_num_seqs,
+                                self.max_model_len)
         self.cache = KVCache.for_model(self.target.config, max_num_seqs, self.max_model_len,
                                        dtype=dtype, device=self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -342,6 +350,29 @@ class LLM:
         completion = CompletionOutput(0, text, ids, req.finish_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [completion],
                              req.metrics.as_dict(), error)
+
+
+def kv_cache_bytes(cfg, rows: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of a :class:`KVCache` for ``rows`` sequences of ``max_len`` tokens (keys + values,
+    the scratch column included)."""
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return rows * (max_len + 1) * per_token
+
+
+def check_memory_budget(used: int, cache: int, total: int, utilization: float,
+                        max_num_seqs: int, max_model_len: int) -> None:
+    """vLLM's ``gpu_memory_utilization``: what the engine holds (``used`` bytes, the weights so
+    far, plus the target's KV cache) must fit in that fraction of the device's ``total``; the
+    cache is sized by max_num_seqs x max_model_len, so a clear error beats an OOM later."""
+    budget = utilization * total
+    if used + cache > budget:
+        gib = 2 ** 30
+        raise config_error(
+            "gpu_memory_utilization", utilization,
+            f"room for the weights ({used / gib:.2f} GiB) and the KV cache ({cache / gib:.2f} GiB "
+            f"for max_num_seqs={max_num_seqs} x max_model_len={max_model_len}) within "
+            f"{budget / gib:.2f} GiB of the device's {total / gib:.2f} GiB; lower max_model_len "
+            "or max_num_seqs, or raise gpu_memory_utilization", _WHERE)
 
 
 def _in_order(slots: list[int]) -> bool:

@@ -66,3 +66,9 @@ def test_bf16_serving_with_graphs(tiny_target):
     out = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.8, max_tokens=16, seed=3))
     assert all(len(o.token_ids) == 16 for o in out)
     assert llm.cache.k.dtype == torch.bfloat16 and llm.static_forward.graphs
+
+
+def test_gpu_memory_utilization_bounds_the_cache(tiny_target):
+    with pytest.raises(ValueError, match="'gpu_memory_utilization'"):
+        LLM(tiny_target, device="cuda", max_model_len=256, max_num_seqs=4096,
+            gpu_memory_utilization=1e-4)

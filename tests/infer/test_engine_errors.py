@@ -4,6 +4,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from infer.engine import LLM
 from infer.proposers.base import _REGISTRY, get_proposer_class
@@ -158,3 +159,20 @@ def test_bad_engine_arguments(tiny_target):
     llm = LLM(tiny_target, dtype="float32")
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate([[1]], [greedy(), greedy()])
+
+
+def test_memory_budget_names_the_sizes():
+    from infer.engine import check_memory_budget, kv_cache_bytes
+    from infer.models.llama import ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, intermediate_size=8)  # Llama-3-8B's cache geometry
+    per_seq = kv_cache_bytes(cfg, 1, 8191, torch.bfloat16)
+    assert per_seq == 8192 * 128 * 1024  # 128 KiB per token: 1 GiB for 8192 tokens
+    gib = 2 ** 30
+    check_memory_budget(16 * gib, 8 * per_seq, 80 * gib, 0.9, 8, 8191)  # 24 of 72 GiB: fits
+    with pytest.raises(ValueError) as e:
+        check_memory_budget(16 * gib, 64 * per_seq, 80 * gib, 0.9, 64, 8191)
+    for part in ("'gpu_memory_utilization'", "0.9", "16.00 GiB", "64.00 GiB",
+                 "max_num_seqs=64 x max_model_len=8191", "72.00 GiB"):
+        assert part in str(e.value)
