@@ -72,12 +72,10 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         dtype = next(self.target.parameters()).dtype
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            check_memory_budget(torch.cuda.memory_allocated(self.device),
-                                kv_cache_bytes(self.target.config, max_num_seqs,
-                                               self.max_model_len, dtype),
-                                total, self.gpu_memory_utilization, max_num_seqs,
-                                self.max_model_len)
+            _, total = torch.cuda.mem_get_info(self.device)
+            cache = kv_cache_bytes(self.target.config, max_num_seqs, self.max_model_len, dtype)
+            check_memory_budget(torch.cuda.memory_allocated(self.device), cache, total,
+                                self.gpu_memory_utilization, max_num_seqs, self.max_model_len)
         self.cache = KVCache.for_model(self.target.config, max_num_seqs, self.max_model_len,
                                        dtype=dtype, device=self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
