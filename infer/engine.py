@@ -144,12 +144,13 @@ class LLM:
         """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
         reqs = self._running
         slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
+        # host -> device copies above, before the proposer queues GPU work they would wait for
         temperature, top_k, top_p = self._sampling_tensors(reqs)
         generator = self._generator(reqs)
         proposal = self._propose(reqs, temperature, top_k, top_p, generator)
         draft_ids = proposal.draft_ids  # [B, k], -1 padded
         num_drafted = (draft_ids >= 0).sum(dim=1)  # [B]
-        pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
         inputs = torch.cat([pending[:, None], draft_ids.clamp_min(0)], dim=1)  # [B, k + 1]
         out = self._verify(inputs, reqs, slots, 1 + num_drafted)
         logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
@@ -178,7 +179,7 @@ class LLM:
         """The step's one target forward over ``inputs [B, k + 1]`` (``num_tokens [B]`` real)."""
         if self.static_forward is not None:
             longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
-            return self.static_forward(inputs, slots=[r.slot for r in reqs],
+            return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
                                        num_tokens=num_tokens, max_len=longest)
         # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's keys
         target_slots = None if _in_order([r.slot for r in reqs]) else slots
@@ -202,9 +203,9 @@ class LLM:
         batch = DraftBatch([r.slot for r in reqs], [r.tokens for r in reqs], self.k,
                            temperature=_as_tensor(temperature, len(reqs), self.device),
                            top_k=top_k, top_p=top_p, generator=generator)
-        proposal = self.proposer.propose(batch)
         limits = torch.tensor([r.draft_limit(self.k, self.max_model_len) for r in reqs],
-                              device=self.device)  # [B]
+                              device=self.device)  # [B], copied before the drafts are queued
+        proposal = self.proposer.propose(batch)
         over = torch.arange(self.k, device=self.device)[None, :] >= limits[:, None]  # [B, k]
         proposal.draft_ids = proposal.draft_ids.masked_fill(over, -1)
         return proposal

@@ -26,6 +26,7 @@ CPU tests check this bookkeeping against the plain forward.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable
 
@@ -52,21 +53,23 @@ def kv_bucket(need: int, capacity: int) -> int:
 
 
 class _Graph:
-    """One static-shape call: a CUDA graph when ``capture``, else the function itself."""
+    """One static-shape call: a CUDA graph when ``capture``, else the function itself.
 
-    def __init__(self, fn: Callable[[], Any], cache: KVCache, capture: bool,
-                 pool=None) -> None:
+    Capture runs on ``stream`` (on the cache's device, under a device guard: a capture on
+    another device's stream would record nothing and replay stale outputs).
+    """
+
+    def __init__(self, fn: Callable[[], Any], cache: KVCache, stream=None, pool=None) -> None:
         self.fn, self.graph = fn, None
         saved = cache.lens.clone()
-        if capture:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 fn()  # warm-up: lazy initialisations must not happen inside the capture
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(stream)
             cache.lens.copy_(saved)  # the warm-up advanced the lengths; the replay will
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
                 self.out = fn()  # recorded, not run: the cache is untouched
         else:
             fn()  # the same warm-up and undo, so CPU tests exercise them
@@ -87,6 +90,9 @@ class StaticForward:
     ``[B, T, H]`` hidden-state input after the ids): it is called as ``module(ids, *row_inputs,
     cache, None, num_tokens=..., kv_len=..., **kwargs)``. ``capture=None``: capture on CUDA, run
     eagerly elsewhere (see the module doc).
+
+    Graphs bake in the module's weight addresses: replacing them afterwards (``.to()``,
+    ``load_state_dict(assign=True)``) needs a new StaticForward.
     """
 
     def __init__(self, module: Callable[..., Any], cache: KVCache, capture: bool | None = None,
@@ -97,34 +103,42 @@ class StaticForward:
         self.sizes = row_sizes(cache.max_batch)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self._buffers: dict[int, list[Tensor]] = {}  # T -> [ids, num_tokens, *row_inputs]
+        self._outputs: dict[int, Any] = {}  # T -> outputs [max_batch, ...] shared by its graphs
+        self._stream = torch.cuda.Stream(self.device) if self.capture else None
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
-    def __call__(self, input_ids: Tensor, *row_inputs: Tensor, slots: list[int], max_len: int,
-                 num_tokens: Tensor | None = None) -> Any:
+    def __call__(self, input_ids: Tensor, *row_inputs: Tensor, slots: list[int], index: Tensor,
+                 max_len: int, num_tokens: Tensor | None = None) -> Any:
         """Forward ``input_ids [B, T]`` (and ``row_inputs``, each ``[B, T, ...]``) for cache rows
         ``slots`` (any order) with ``num_tokens [B]`` real tokens each (default all ``T``), as
-        the plain module would; every output tensor comes back in the order of ``slots`` (a copy).
+        the plain module would; every output tensor comes back in the order of ``slots`` (a copy,
+        so the next replay cannot overwrite what the caller holds).
 
-        ``max_len``: a host-side bound on ``lens[slot] + num_tokens`` over the batch (the engine
-        knows its requests' lengths), which picks the key bucket without reading the device.
+        ``index``: ``slots`` on the device, made by the caller before it queued this step's GPU
+        work (made here, the copy would wait for that work). ``max_len``: a host-side bound on
+        ``lens[slot] + num_tokens`` over the batch (the engine knows its requests' lengths), which
+        picks the key bucket without reading the device.
         """
-        t = input_ids.shape[1]
-        rows = next(s for s in self.sizes if s > max(slots))
-        kv_len = kv_bucket(max_len, self.cache.capacity)
-        ids, num, *extra = self._inputs(t, row_inputs)
-        index = torch.tensor(slots, device=self.device)  # [B]
-        num.zero_()  # rows without a request this step: no tokens
-        if num_tokens is None:
-            num.index_fill_(0, index, t)
-        else:
-            num.index_copy_(0, index, num_tokens.to(num.dtype))
-        for buf, x in zip([ids, *extra], [input_ids, *row_inputs]):
-            buf.index_copy_(0, index, x.to(buf.dtype))
-        key = (rows, t, kv_len)
-        if key not in self.graphs:
-            self.graphs[key] = _Graph(self._step_fn(rows, t, kv_len), self.cache, self.capture,
-                                      self._pool)
-        return _select_rows(self.graphs[key](), index)  # from cache-row order to the caller's
+        guard = torch.cuda.device(self.device) if self.capture else contextlib.nullcontext()
+        with guard:
+            t = input_ids.shape[1]
+            rows = next(s for s in self.sizes if s > max(slots))
+            # real keys never pass max_len: the scratch column (padding writes) is never read
+            kv_len = kv_bucket(min(max_len, self.cache.max_len), self.cache.max_len)
+            ids, num, *extra = self._inputs(t, row_inputs)
+            num.zero_()  # rows without a request this step: no tokens
+            if num_tokens is None:
+                num.index_fill_(0, index, t)
+            else:
+                num.index_copy_(0, index, num_tokens.to(num.dtype))
+            for buf, x in zip([ids, *extra], [input_ids, *row_inputs]):
+                buf.index_copy_(0, index, x.to(buf.dtype))
+            key = (rows, t, kv_len)
+            if key not in self.graphs:
+                self.graphs[key] = _Graph(self._step_fn(rows, t, kv_len), self.cache,
+                                          self._stream, self._pool)
+            out = self.graphs[key]()  # rows [R] in cache order
+            return _map_tensors(lambda x: x.index_select(0, index), out)
 
     def _inputs(self, t: int, row_inputs: tuple[Tensor, ...]) -> list[Tensor]:
         if t not in self._buffers:
@@ -138,18 +152,26 @@ class StaticForward:
         ids, num, *extra = (b[:rows] for b in self._buffers[t])  # views: what __call__ writes
 
         def step() -> Any:
-            return self.module(ids, *extra, self.cache, None, num_tokens=num, kv_len=kv_len,
-                               **self.kwargs)
+            out = self.module(ids, *extra, self.cache, None, num_tokens=num, kv_len=kv_len,
+                              **self.kwargs)
+            if t not in self._outputs:  # the first warm-up runs outside capture: allocate
+                self._outputs[t] = _map_tensors(
+                    lambda x: x.new_empty(self.cache.max_batch, *x.shape[1:]), out)
+            # every graph of this T writes the same output tensors, so graphs hold only their
+            # temporaries (in the shared pool), not one output set each
+            return _map_tensors(lambda buf, x: buf[:rows].copy_(x), self._outputs[t], out)
         return step
 
 
-def _select_rows(out: Any, index: Tensor) -> Any:
-    """Rows ``index`` of every tensor in a forward's output (tensor, tuple or dataclass)."""
-    if isinstance(out, Tensor):
-        return out.index_select(0, index)
-    if isinstance(out, tuple):
-        return tuple(_select_rows(o, index) for o in out)
-    if is_dataclass(out):
-        return replace(out, **{f.name: _select_rows(getattr(out, f.name), index)
-                               for f in fields(out)})
-    return out
+def _map_tensors(fn: Callable[..., Tensor], first: Any, *rest: Any) -> Any:
+    """``fn(leaf, *same_leaves_of_rest)`` over the tensors of a forward's output (a tensor, or a
+    tuple or dataclass of them); ``rest`` have the same structure as ``first``."""
+    if isinstance(first, Tensor):
+        return fn(first, *rest)
+    if isinstance(first, tuple):
+        return tuple(_map_tensors(fn, f, *(r[i] for r in rest)) for i, f in enumerate(first))
+    if is_dataclass(first):
+        return replace(first, **{f.name: _map_tensors(fn, getattr(first, f.name),
+                                                      *(getattr(r, f.name) for r in rest))
+                                 for f in fields(first)})
+    return first

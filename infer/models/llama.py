@@ -234,6 +234,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, rep: int) -> Tensor:
+    """Masked grouped-query attention without repeating keys: the ``rep`` query heads that share
+    a kv head become ``rep * T`` query rows of that head, the mask repeated to match.
+
+    ``q [B, heads, T, hd]``, ``k, v [B, kv_heads, S, hd]``, ``mask [B, 1, T, S]`` -> ``[B, heads,
+    T, hd]``. Same math as SDPA's ``enable_gqa``, but on CUDA a mask with ``enable_gqa`` only
+    runs in the math kernel (scores for every head, keys repeated per head), while this shape
+    runs in the memory-efficient kernel.
+    """
+    b, h, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    grouped = q.reshape(b, kv_heads, rep * t, d)  # head g * rep + r -> group g, row r * T + t
+    rows = mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(mask.shape[0], 1, rep * t, s)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=rows)
+    return out.reshape(b, h, t, d)
+
+
 # ---- attention masks ---------------------------------------------------------------------------
 
 def position_mask(q_pos: Tensor, k_pos: Tensor, window: int | None = None) -> Tensor:
@@ -331,7 +348,9 @@ class Attention(nn.Module):
         if step is not None:
             k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
         rep = self.num_heads // self.num_kv_heads
-        if rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
+        if rep > 1 and mask is not None and mask.shape[1] == 1 and q.is_cuda:
+            out = grouped_attention(q, k, v, mask, rep)  # on CPU enable_gqa is faster
+        elif rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=True)
         else:

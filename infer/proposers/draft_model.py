@@ -117,7 +117,7 @@ class DraftModelProposer(Proposer):
         if self.static is None:
             return self.model(tok, self.cache, slots).logits
         longest = max(len(t) for t in batch.token_ids) + step + 1  # cache rows after this step
-        return self.static(tok, slots=batch.slots, max_len=longest).logits
+        return self.static(tok, slots=batch.slots, index=slots, max_len=longest).logits
 
     def _parallel(self, feeds: list[list[int]], slots: torch.Tensor, k: int) -> torch.Tensor:
         masked = [f + [self.mask_id] * (k - 1) for f in feeds]

@@ -133,7 +133,7 @@ class EagleChainProposer(Proposer):
         if self.static is None:
             return self.drafter(tok, hidden, self.cache, slots)
         longest = max(len(t) for t in batch.token_ids) + step  # cache rows after this step
-        return self.static(tok, hidden, slots=batch.slots, max_len=longest)
+        return self.static(tok, hidden, slots=batch.slots, index=slots, max_len=longest)
 
     def _catch_up_inputs(self, batch: DraftBatch) -> tuple[Tensor, Tensor, list[int]]:
         """Pending pairs per row, right-padded: tokens ``[B, T]``, features ``[B, T, H]``."""

@@ -60,7 +60,8 @@ def test_static_forward_equals_the_plain_forward(tiny_target):
         ids = torch.randint(model.config.vocab_size, (len(slots), 4), generator=gen)  # [B, k+1]
         want = model(ids, plain, torch.tensor(slots), num_tokens=num, aux_layer_ids=(1, 2))
         longest = int((plain.lens[slots]).max())  # after the step: what the engine bounds
-        got = runner(ids, slots=slots, num_tokens=num, max_len=longest)
+        got = runner(ids, slots=slots, index=torch.tensor(slots), num_tokens=num,
+                     max_len=longest)
         for row, n in enumerate(num.tolist()):  # padding outputs are garbage on both sides
             for a, b in zip((got.logits, got.hidden, *got.aux), (want.logits, want.hidden,
                                                                  *want.aux)):

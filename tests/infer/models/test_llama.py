@@ -254,3 +254,20 @@ def test_transformers_4_and_5_rope_keys_agree():
                            "use_sliding_window": False, "sliding_window": 32768,
                            "max_window_layers": 0})
     assert qwen.sliding_window is None and qwen.qkv_bias and not qwen.o_bias
+
+
+def test_grouped_attention_equals_repeated_keys():
+    """The CUDA path for masked GQA (query heads folded into rows per kv head) is the same math
+    as repeating every kv head for its query heads."""
+    import torch.nn.functional as F
+
+    from infer.models.llama import grouped_attention, position_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 4, 16, generator=gen)  # [B, heads, T, hd]
+    k, v = torch.randn(2, 3, 2, 11, 16, generator=gen)  # [B, kv_heads, S, hd]
+    mask = position_mask(torch.tensor([[2, 3, 4, 5], [7, 8, 9, 10], [0, 1, 2, 3]]),
+                         torch.arange(11))  # [B, 1, T, S], ragged causal
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, dim=1),
+                                          v.repeat_interleave(4, dim=1), attn_mask=mask)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, 4), want)
