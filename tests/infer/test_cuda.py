@@ -46,18 +46,25 @@ def test_graph_steps_equal_eager_steps(tiny_target, tiny_draft, name):
         assert runner.graphs and all(g.graph is not None for g in runner.graphs.values())
 
 
-def test_graph_replay_does_not_sync(tiny_target):
-    """A captured step replays with no host synchronisation (CUDA's sync debug mode raises)."""
-    llm = LLM(tiny_target, device="cuda", dtype="float32", max_num_seqs=2)
+def test_graph_step_does_not_sync(tiny_target):
+    """A captured step (input copies, replay, output gather) runs with no host synchronisation
+    (CUDA's sync debug mode raises on one)."""
+    llm = LLM(tiny_target, device="cuda", dtype="float32", max_num_seqs=4)
     llm.generate(ENGINE_PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4))
-    graph = next(iter(llm.static_forward.graphs.values()))
+    ids = torch.tensor([[5], [7]], device="cuda")  # [B, 1]
+    index = torch.tensor([2, 0], device="cuda")
+
+    def step():
+        return llm.static_forward(ids, slots=[2, 0], index=index, max_len=16)
+
+    step()  # captures this shape (capture itself synchronises)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        graph()
+        out = step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert out.logits.shape[:2] == (2, 1)
 
 
 def test_bf16_serving_with_graphs(tiny_target):
