@@ -13,7 +13,6 @@ waiting ones are prefilled into free slots before the next step.
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -36,6 +35,9 @@ from infer.validation import check_float, check_int, config_error
 log = logging.getLogger(__name__)
 _WHERE = "LLM"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what LLM.with_config forks share: the loaded target and what comes with it
+_SHARED = ("device", "target", "max_model_len", "enforce_eager", "gpu_memory_utilization",
+           "tokenizer", "eos_ids")
 
 
 class LLM:
@@ -69,37 +71,46 @@ class LLM:
     def _configure(self, max_num_seqs: int, seed: int) -> None:
         """Everything that depends on the speculative config, batch size and seed (``self.spec``
         is set): KV cache, generator, proposer, metrics; the target is left as it is."""
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.seed = max_num_seqs, seed
         dtype = next(self.target.parameters()).dtype
-        if self.device.type == "cuda":
-            _, total = torch.cuda.mem_get_info(self.device)
-            cache = kv_cache_bytes(self.target.config, max_num_seqs, self.max_model_len, dtype)
-            check_memory_budget(torch.cuda.memory_allocated(self.device), cache, total,
-                                self.gpu_memory_utilization, max_num_seqs, self.max_model_len)
+        self._check_memory(kv_cache_bytes(self.target.config, max_num_seqs, self.max_model_len,
+                                          dtype))
         self.cache = KVCache.for_model(self.target.config, max_num_seqs, self.max_model_len,
                                        dtype=dtype, device=self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.proposer = self._make_proposer(dtype)
+        self._check_memory()  # the proposer's weights and caches are allocated now
         # target residual streams the proposer reads (EAGLE heads); none for the others
         self._aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
         # steps in fixed shapes, captured as CUDA graphs; None: the plain forward (CPU, eager)
         self.static_forward = None
-        if self._graph_capture is not None:
-            self.static_forward = StaticForward(self.target, self.cache, self._graph_capture,
+        if self._static_steps:
+            self.static_forward = StaticForward(self.target, self.cache,
                                                 aux_layer_ids=self._aux_ids)
         self.metrics = SpecMetrics()
         self._running: list[Request] = []
 
+    def _check_memory(self, cache_bytes: int = 0) -> None:
+        """On CUDA: what is allocated plus ``cache_bytes`` must fit gpu_memory_utilization."""
+        if self.device.type == "cuda":
+            _, total = torch.cuda.mem_get_info(self.device)
+            check_memory_budget(torch.cuda.memory_allocated(self.device), cache_bytes, total,
+                                self.gpu_memory_utilization, self.max_num_seqs,
+                                self.max_model_len)
+
     def with_config(self, speculative_config: Any = None, *, max_num_seqs: int | None = None,
-                    seed: int = 0) -> "LLM":
+                    seed: int | None = None) -> "LLM":
         """A new engine on this one's loaded target and tokenizer (nothing is reloaded), with
-        another speculative config, batch size or seed: how the harness runs a matrix of
-        configurations. The two share the target's weights (read-only) and nothing else."""
+        another speculative config, batch size or seed (None: this engine's): how the harness
+        runs a matrix of configurations. The two share the target (read-only) and nothing
+        else."""
         check_int("max_num_seqs", max_num_seqs, _WHERE, minimum=1, optional=True)
-        check_int("seed", seed, _WHERE)
-        other = copy.copy(self)
+        check_int("seed", seed, _WHERE, optional=True)
+        other = object.__new__(LLM)
+        for name in _SHARED:
+            setattr(other, name, getattr(self, name))
         other.spec = SpeculativeConfig.parse(speculative_config)
-        other._configure(max_num_seqs or self.max_num_seqs, seed)
+        other._configure(max_num_seqs or self.max_num_seqs, self.seed if seed is None else seed)
         return other
 
     # ---- public API ------------------------------------------------------------------------------
@@ -128,10 +139,10 @@ class LLM:
         return self.metrics.as_dict()
 
     @property
-    def _graph_capture(self) -> bool | None:
-        """True: steps in fixed shapes captured as CUDA graphs (CUDA, unless enforce_eager);
-        None: plain forwards. (False, the fixed shapes run eagerly, is for CPU tests.)"""
-        return True if self.device.type == "cuda" and not self.enforce_eager else None
+    def _static_steps(self) -> bool:
+        """Steps in fixed shapes (infer/graphs.py), captured as CUDA graphs: on CUDA unless
+        enforce_eager (CPU tests turn it on to run the same path eagerly)."""
+        return self.device.type == "cuda" and not self.enforce_eager
 
     @property
     def k(self) -> int:
@@ -303,7 +314,7 @@ class LLM:
         self.spec.check_against_target(self.max_model_len)
         ctx = ProposerContext(self.target, self.target.config, self.device, dtype,
                               self.max_num_seqs, self.max_model_len, self.target.config.vocab_size,
-                              self._graph_capture)
+                              self._static_steps)
         return get_proposer_class(self.spec.method)(self.spec, ctx)
 
     def _make_requests(self, prompts: Any, params: Any) -> list[Request]:
@@ -313,7 +324,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             text, ids = self._encode(prompt, i)
             req = Request(i, text, ids, p)
-            if p.seed is not None:  # its own random stream, whatever else shares the batch
+            if p.seed is not None and not p.greedy:  # its own random stream
                 req.generator = torch.Generator(device=self.device).manual_seed(p.seed)
             if len(ids) >= self.max_model_len:
                 req.finish_reason = "error"
@@ -360,16 +371,18 @@ def kv_cache_bytes(cfg, rows: int, max_len: int, dtype: torch.dtype) -> int:
 
 def check_memory_budget(used: int, cache: int, total: int, utilization: float,
                         max_num_seqs: int, max_model_len: int) -> None:
-    """vLLM's ``gpu_memory_utilization``: what the engine holds (``used`` bytes, the weights so
-    far, plus the target's KV cache) must fit in that fraction of the device's ``total``; the
-    cache is sized by max_num_seqs x max_model_len, so a clear error beats an OOM later."""
+    """vLLM's ``gpu_memory_utilization``: what is allocated (``used`` bytes: weights, caches)
+    plus the KV cache about to be (``cache``) must fit in that fraction of the device's
+    ``total``; caches are sized by max_num_seqs x max_model_len, so a clear error beats an OOM
+    later."""
     budget = utilization * total
     if used + cache > budget:
         gib = 2 ** 30
         raise config_error(
             "gpu_memory_utilization", utilization,
-            f"room for the weights ({used / gib:.2f} GiB) and the KV cache ({cache / gib:.2f} GiB "
-            f"for max_num_seqs={max_num_seqs} x max_model_len={max_model_len}) within "
+            f"room for what is allocated ({used / gib:.2f} GiB: weights, caches) and the KV "
+            f"cache ({cache / gib:.2f} GiB for max_num_seqs={max_num_seqs} x "
+            f"max_model_len={max_model_len}) within "
             f"{budget / gib:.2f} GiB of the device's {total / gib:.2f} GiB; lower max_model_len "
             "or max_num_seqs, or raise gpu_memory_utilization", _WHERE)
 

@@ -11,8 +11,9 @@ fixed addresses, so :class:`StaticForward` runs every step in a fixed layout:
   dropped. The engine admits requests into the lowest free slots, so ``R`` stays close to the
   number of running requests.
 - keys: attention reads ``kv_len`` = the smallest power of two (at least ``MIN_KV_BUCKET``,
-  at most the cache capacity) covering the longest row after the step, so a short batch does not
-  read the whole cache, and a model needs few graphs (row sizes x token counts x key buckets).
+  at most the cache's ``max_len``, so the scratch column is never read) covering the longest row
+  after the step: a short batch does not read the whole cache, and a model needs few graphs
+  (row sizes x token counts x key buckets).
 - buffers: input ids and ``num_tokens`` live in static tensors written before each replay;
   outputs are gathered back into the caller's row order, which copies them, so nothing the
   caller holds is overwritten by the next replay.
@@ -124,7 +125,7 @@ class StaticForward:
             t = input_ids.shape[1]
             rows = next(s for s in self.sizes if s > max(slots))
             # real keys never pass max_len: the scratch column (padding writes) is never read
-            kv_len = kv_bucket(min(max_len, self.cache.max_len), self.cache.max_len)
+            kv_len = kv_bucket(max_len, self.cache.max_len)
             ids, num, *extra = self._inputs(t, row_inputs)
             num.zero_()  # rows without a request this step: no tokens
             if num_tokens is None:

@@ -134,11 +134,8 @@ class Timer:
         self.durations: list[float] = []
         self.cuda = torch.device(device).type == "cuda" if device is not None else False
 
-    def wrap(self, fn: Callable, when: Callable[..., bool] = lambda *a, **k: True,
-             rows: Callable[..., int] | None = None) -> Callable:
+    def wrap(self, fn: Callable, rows: Callable[..., int] | None = None) -> Callable:
         def timed(*args, **kwargs):
-            if not when(*args, **kwargs):
-                return fn(*args, **kwargs)
             if self.cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -210,16 +207,23 @@ class _Run:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def warm_up(llm: LLM, prompts: list, params: SamplingParams) -> None:
+    """Keep first-call costs out of a timed run: a 2-token request (allocations barely touch the
+    caches), or on CUDA the whole run once, so every CUDA graph it needs is captured first."""
+    if llm.static_forward is not None:
+        llm.generate(prompts, params)
+    else:
+        llm.generate(prompts[:1], SamplingParams(temperature=params.temperature, max_tokens=2,
+                                                 ignore_eos=True))
+
+
 def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params: SamplingParams,
              batch_size: int, seed: int, warmup: bool) -> _Run:
     llm = engine.with_config(spec, max_num_seqs=batch_size, seed=seed)  # the target stays loaded
     device = str(llm.device)
     try:
-        if warmup and llm.static_forward is not None:  # capture the run's CUDA graphs first
-            llm.generate(prompts, params)
-        elif warmup:  # first-call allocations out of the timing; 2 tokens barely touch caches
-            llm.generate(prompts[:1], SamplingParams(temperature=params.temperature, max_tokens=2,
-                                                     ignore_eos=True))
+        if warmup:
+            warm_up(llm, prompts, params)
         with instrument(llm) as timers:
             start = time.perf_counter()
             outs = llm.generate(prompts, params)

@@ -6,10 +6,10 @@
 For batch 1 and 8: tokens/s of draftsmith's autoregressive decoding and of each speculative
 method, next to transformers' ``generate`` (plain; with ``assistant_model``; with
 ``prompt_lookup_num_tokens``; the last two only at batch 1, which is all transformers supports).
-For each method it also reports the speedup predicted from the measured steps and costs (see
-``predicted_speedup``: ``c_ar`` one autoregressive step, ``c_verify`` one target forward over
-k + 1 tokens, ``c_draft`` one proposer call, the prefill time common to both runs; timed by
-``infer.harness.instrument``), and the ratio measured / predicted. Greedy decoding; fp32 on
+For each method it also reports the speedup modelled from the measured batch steps, step costs
+and prefill time (``modelled_speedup``, a timing model, unlike the harness's acceptance-based
+``infer.advisor.predicted_speedup``; costs timed by ``infer.harness.instrument``), and the ratio
+measured / modelled. Greedy decoding; fp32 on
 CPU (threads as torch sets them). On CUDA the engine's steps are CUDA graphs, so an extra row
 runs the same decoding with ``enforce_eager=True``, and the roofline line compares the decode
 step with the time to stream the weights once at the GPU's memory bandwidth. ``--record``
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from infer.engine import LLM
-from infer.harness import instrument
+from infer.harness import instrument, warm_up
 from infer.sampling import SamplingParams
 from train.data import heldout_prompts
 from train.tiny_target import default_draft_dir
@@ -39,10 +39,7 @@ def run_engine(target: str, spec, prompts, max_tokens: int, batch: int, device: 
     llm = LLM(target, speculative_config=spec, max_num_seqs=batch, device=device, dtype=dtype,
               enforce_eager=eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    if llm.static_forward is not None:  # CUDA graphs: capture every shape before timing
-        llm.generate(prompts, params)
-    else:
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    warm_up(llm, prompts, params)
     llm.metrics.__init__()
     with instrument(llm) as timers:  # step / verify forward / propose wall times
         start = time.perf_counter()
@@ -86,7 +83,7 @@ def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: 
     return tokens / (time.perf_counter() - start)
 
 
-def predicted_speedup(ar: dict, spec: dict) -> float:
+def modelled_speedup(ar: dict, spec: dict) -> float:
     """Whole-run speedup predicted from the measured steps and costs:
     ``(P + N_ar c_ar) / (P + N_spec (c_draft + c_verify))``, with ``P`` the prefill time (the
     same in both runs, which speculation cannot shorten) and ``N`` the batch steps. At batch 1,
@@ -166,7 +163,7 @@ def main() -> None:
                 lossless = r["outputs"] == ar["outputs"]
                 hf = run_hf(target, draft, prompts, args.max_tokens, batch, hf_modes[name], k,
                             args.device, hf_dtype) if name in hf_modes else None
-                pred = predicted_speedup(ar, r)
+                pred = modelled_speedup(ar, r)
                 speed = r["tok_s"] / ar["tok_s"]
                 lines.append(f"| {batch} | {name}{'' if lossless else ' (MISMATCH)'} | {k} | "
                              f"{r['tok_s']:.1f} | {'n/a' if hf is None else f'{hf:.1f}'} | "

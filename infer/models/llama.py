@@ -234,20 +234,24 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, rep: int) -> Tensor:
-    """Masked grouped-query attention without repeating keys: the ``rep`` query heads that share
-    a kv head become ``rep * T`` query rows of that head, the mask repeated to match.
+def group_mask(mask: Tensor, rep: int) -> Tensor:
+    """``[B, 1, T, S]`` -> ``[B, 1, rep * T, S]``: the mask of :func:`grouped_attention`'s rows."""
+    b, _, t, s = mask.shape
+    return mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, 1, rep * t, s)
 
-    ``q [B, heads, T, hd]``, ``k, v [B, kv_heads, S, hd]``, ``mask [B, 1, T, S]`` -> ``[B, heads,
-    T, hd]``. Same math as SDPA's ``enable_gqa``, but on CUDA a mask with ``enable_gqa`` only
-    runs in the math kernel (scores for every head, keys repeated per head), while this shape
-    runs in the memory-efficient kernel.
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, grouped_mask: Tensor) -> Tensor:
+    """Masked grouped-query attention without repeating keys: the query heads that share a kv
+    head become ``rep * T`` query rows of that head (``grouped_mask`` from :func:`group_mask`).
+
+    ``q [B, heads, T, hd]``, ``k, v [B, kv_heads, S, hd]`` -> ``[B, heads, T, hd]``. Same math as
+    SDPA's ``enable_gqa``, but on CUDA a mask with ``enable_gqa`` only runs in the math kernel
+    (scores for every head, keys repeated per head), while this shape runs in the
+    memory-efficient kernel. (On CPU ``enable_gqa`` is faster.)
     """
     b, h, t, d = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
-    grouped = q.reshape(b, kv_heads, rep * t, d)  # head g * rep + r -> group g, row r * T + t
-    rows = mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(mask.shape[0], 1, rep * t, s)
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=rows)
+    grouped = q.reshape(b, k.shape[1], -1, d)  # head g * rep + r -> group g, row r * T + t
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=grouped_mask)
     return out.reshape(b, h, t, d)
 
 
@@ -348,8 +352,8 @@ class Attention(nn.Module):
         if step is not None:
             k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
         rep = self.num_heads // self.num_kv_heads
-        if rep > 1 and mask is not None and mask.shape[1] == 1 and q.is_cuda:
-            out = grouped_attention(q, k, v, mask, rep)  # on CPU enable_gqa is faster
+        if rep > 1 and mask is not None and mask.shape[-2] == rep * t:  # grouped by _run
+            out = grouped_attention(q, k, v, mask)
         elif rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=True)
@@ -498,6 +502,7 @@ class Llama(nn.Module):
              aux_layer_ids, logits_at: Tensor | None) -> ModelOutput:
         """Embed, run the layer stack, keep the requested residual streams, norm, project."""
         aux_ids = self._check_aux_ids(aux_layer_ids)
+        masks = self._group_masks(masks, input_ids.device)
         keep = set(aux_ids)
         h = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, h.dtype)
@@ -511,6 +516,18 @@ class Llama(nn.Module):
         if logits_at is not None:  # [B, K] -> hidden rows [B, K, H]
             picked = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
         return ModelOutput(self.lm_head(picked), hidden, tuple(saved[k] for k in aux_ids))
+
+    def _group_masks(self, masks: list, device: torch.device) -> list:
+        """On CUDA with grouped-query heads, each distinct mask in :func:`group_mask`'s layout,
+        built once per forward (not once per layer), for :func:`grouped_attention`."""
+        rep = self.config.num_heads // self.config.num_kv_heads
+        if rep == 1 or device.type != "cuda":
+            return masks
+        grouped: dict[int, Tensor] = {}
+        for m in masks:
+            if m is not None and m.shape[1] == 1 and id(m) not in grouped:
+                grouped[id(m)] = group_mask(m, rep)
+        return [grouped.get(id(m), m) if m is not None else None for m in masks]
 
     def _check_aux_ids(self, aux_layer_ids) -> tuple[int, ...]:
         ids = tuple(int(k) for k in (aux_layer_ids or ()))

@@ -13,12 +13,12 @@ suffix) work on them directly; model-based proposers keep their own tensors and 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
-from infer.sampling import Generator
+from infer.sampling import BatchGenerator, Generator
 from infer.spec_config import SpeculativeConfig
 
 
@@ -33,9 +33,7 @@ class ProposerContext:
     max_num_seqs: int
     max_model_len: int
     vocab_size: int
-    # model steps in fixed shapes (infer/graphs.py): True captured as CUDA graphs, False run
-    # eagerly (CPU tests), None plain forwards
-    graph_capture: bool | None = None
+    static_steps: bool = False  # model steps in fixed shapes, CUDA graphs on CUDA (infer/graphs)
 
 
 @dataclass
@@ -50,6 +48,22 @@ class DraftBatch:
     top_p: torch.Tensor | None = None  # [batch]
     generator: Generator = None  # per-row streams for seeded requests (BatchGenerator)
     extras: dict[str, Any] = field(default_factory=dict)  # e.g. target hidden states for EAGLE
+
+    def select(self, rows: list[int]) -> "DraftBatch":
+        """The sub-batch of ``rows`` (e.g. the requests that can still draft): every per-row
+        field follows, the seeded rows' generators included."""
+        def pick(t):
+            if isinstance(t, torch.Tensor) and t.ndim:
+                return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
+            return t
+
+        generator = self.generator
+        if isinstance(generator, BatchGenerator):
+            generator = generator.select(rows)
+        return replace(self, slots=[self.slots[i] for i in rows],
+                       token_ids=[self.token_ids[i] for i in rows],
+                       temperature=pick(self.temperature), top_k=pick(self.top_k),
+                       top_p=pick(self.top_p), generator=generator)
 
 
 @dataclass

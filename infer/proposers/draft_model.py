@@ -18,15 +18,13 @@ returned for the acceptance test.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 from infer.proposers.base import DraftBatch, Proposal, Proposer, ProposerContext, register
-from infer.sampling import BatchGenerator, Generator, logits_to_probs, sample_from_probs
+from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig, draft_config_path, read_draft_config
 
 MASK_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")
@@ -52,9 +50,7 @@ class DraftModelProposer(Proposer):
                                        dtype=ctx.dtype, device=ctx.device)
         self.fed = [0] * ctx.max_num_seqs  # verified tokens held in each slot's draft cache
         # the k - 1 one-token steps as CUDA graphs (the catch-up forward is ragged: eager)
-        self.static = None
-        if ctx.graph_capture is not None:
-            self.static = StaticForward(self.model, self.cache, ctx.graph_capture)
+        self.static = StaticForward(self.model, self.cache) if ctx.static_steps else None
         self.sample = spec.rejection_sample_method == "probabilistic"
 
     def start(self, slot: int, prompt_ids: list[int]) -> None:
@@ -70,15 +66,7 @@ class DraftModelProposer(Proposer):
         if not rows:
             return Proposal(draft_ids)
         index = torch.tensor(rows, device=self.ctx.device)
-
-        def pick(t):
-            return t[index] if isinstance(t, torch.Tensor) and t.ndim else t
-
-        sub = replace(batch, slots=[batch.slots[i] for i in rows],
-                      token_ids=[batch.token_ids[i] for i in rows],
-                      temperature=pick(batch.temperature), top_k=pick(batch.top_k),
-                      top_p=pick(batch.top_p), generator=_select(batch.generator, rows))
-        proposal = self._propose_rows(sub)
+        proposal = self._propose_rows(batch.select(rows))
         draft_ids[index] = proposal.draft_ids
         probs = None
         if proposal.draft_probs is not None:  # rows without drafts never read theirs
@@ -141,11 +129,6 @@ class DraftModelProposer(Proposer):
         if self.sample:
             return sample_from_probs(q, batch.generator), q
         return logits.argmax(dim=-1), q
-
-
-def _select(generator: Generator, rows: list[int]) -> Generator:
-    """A sub-batch's generator: seeded rows keep their own streams."""
-    return generator.select(rows) if isinstance(generator, BatchGenerator) else generator
 
 
 def _mask_token(spec: SpeculativeConfig) -> int:

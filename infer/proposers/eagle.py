@@ -65,9 +65,7 @@ class EagleChainProposer(Proposer):
         self.pending: dict[int, Tensor] = {}  # slot -> [m, H] prepared features not yet fed
         self.sample = spec.rejection_sample_method == "probabilistic"
         # the k - 1 one-pair draft steps in fixed shapes (CUDA graphs); the catch-up is ragged
-        self.static = None
-        if ctx.graph_capture is not None:
-            self.static = StaticForward(self.drafter, self.cache, ctx.graph_capture)
+        self.static = StaticForward(self.drafter, self.cache) if ctx.static_steps else None
 
     # ---- subclass hooks ----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ output; a head that copies the target's own predictions gets its drafts accepted
 import pytest
 import torch
 
+import infer.graphs
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from infer.engine import LLM
@@ -74,7 +75,8 @@ def test_static_steps_equal_plain_steps(target4, heads, method, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=12)
     plain = LLM(target4, speculative_config=spec, max_num_seqs=2)
     want = plain.generate(PROMPTS, params)
-    monkeypatch.setattr(LLM, "_graph_capture", property(lambda self: False))
+    monkeypatch.setattr(LLM, "_static_steps", property(lambda self: True))
+    monkeypatch.setattr(infer.graphs, "MIN_KV_BUCKET", 1)  # key buckets below the cache size
     static = LLM(target4, speculative_config=spec, max_num_seqs=2)
     got = static.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -94,3 +96,20 @@ def test_cuda_graph_steps_equal_eager_steps(target4, heads, method):
     assert outs[0] == outs[1] and runs[0].get_metrics() == runs[1].get_metrics()
     graphs = runs[1].proposer.static.graphs
     assert graphs and all(g.graph is not None for g in graphs.values())
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_seeded_request_ignores_its_batch(target4, heads, method):
+    """Sampled drafts over the head's vocabulary ([B, 1, V'] per step) come from a seeded
+    request's own stream too."""
+    spec = {"method": method, "model": heads[method], "num_speculative_tokens": 3,
+            "rejection_sample_method": "probabilistic"}
+
+    def params(seed=None):
+        return SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=seed)
+
+    alone = LLM(target4, speculative_config=spec, seed=0).generate([PROMPTS[2]], params(42))
+    crowd = LLM(target4, speculative_config=spec, seed=9, max_num_seqs=2).generate(
+        PROMPTS, [params(), params(), params(42), params()])
+    assert crowd[2].token_ids == alone[0].token_ids
+    assert crowd[2].metrics["num_drafts"] > 0

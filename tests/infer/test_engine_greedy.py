@@ -417,3 +417,17 @@ def test_with_config_forks_the_loaded_target(tiny_target):
     assert base.get_metrics()["num_drafts"] == 0
     with pytest.raises(ValueError, match="'max_num_seqs'"):
         base.with_config(None, max_num_seqs=0)
+
+
+def test_with_config_keeps_the_seed_and_ignores_instrumentation(tiny_target):
+    from infer.harness import instrument
+
+    sampled = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    base = LLM(tiny_target, max_num_seqs=1, device="cpu", seed=3)
+    want = LLM(tiny_target, max_num_seqs=4, device="cpu", seed=3).generate(LOOPY_PROMPTS, sampled)
+    with instrument(base):  # methods patched on the parent must not leak into a fork
+        fork = base.with_config(None, max_num_seqs=4)
+    got = fork.generate(LOOPY_PROMPTS, sampled)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]  # seed 3 inherited
+    other = base.with_config(None, max_num_seqs=4, seed=4).generate(LOOPY_PROMPTS, sampled)
+    assert [o.token_ids for o in other] != [o.token_ids for o in want]

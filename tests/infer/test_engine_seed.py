@@ -14,13 +14,14 @@ from .conftest import ENGINE_PROMPTS
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 SPECS = [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-         "draft"]
+         "draft", "pard"]
 
 
-def _spec(spec, draft):
-    if spec == "draft":
-        return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
-                "rejection_sample_method": "probabilistic"}
+def _spec(spec, draft, pard):
+    if spec in ("draft", "pard"):  # sampled drafts: [B, vocab] per step, or [B, k, vocab]
+        return {"method": "draft_model", "model": draft if spec == "draft" else pard,
+                "num_speculative_tokens": 3, "rejection_sample_method": "probabilistic",
+                "parallel_drafting": spec == "pard"}
     return spec
 
 
@@ -28,9 +29,9 @@ def _sampled(seed=None, **kw):
     return SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=seed, **kw)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["autoregressive", "ngram", "draft_model"])
-def test_seeded_request_ignores_batch_and_engine_seed(tiny_target, tiny_draft, spec):
-    spec = _spec(spec, tiny_draft)
+@pytest.mark.parametrize("spec", SPECS, ids=["autoregressive", "ngram", "draft_model", "pard"])
+def test_seeded_request_ignores_batch_and_engine_seed(tiny_target, tiny_draft, pard_draft, spec):
+    spec = _spec(spec, tiny_draft, pard_draft)
     alone = LLM(tiny_target, speculative_config=spec, seed=0, max_num_seqs=4)
     ref = alone.generate([ENGINE_PROMPTS[1]], _sampled(seed=42))[0].token_ids
 

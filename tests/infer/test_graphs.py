@@ -5,6 +5,7 @@ CUDA graph would record), and through the engine."""
 import pytest
 import torch
 
+import infer.graphs
 from infer.engine import LLM
 from infer.graphs import MIN_KV_BUCKET, StaticForward, kv_bucket, row_sizes
 from infer.kv_cache import KVCache
@@ -91,7 +92,8 @@ def test_engine_static_steps_are_lossless(tiny_target, tiny_draft, spec, monkeyp
     plain = LLM(tiny_target, speculative_config=spec, max_num_seqs=2, device="cpu")
     want = plain.generate(ENGINE_PROMPTS, params)
     # what LLM(device="cuda") sets up, with the graphs run eagerly
-    monkeypatch.setattr(LLM, "_graph_capture", property(lambda self: False))
+    monkeypatch.setattr(LLM, "_static_steps", property(lambda self: True))
+    monkeypatch.setattr(infer.graphs, "MIN_KV_BUCKET", 1)  # key buckets below the cache size
     static = LLM(tiny_target, speculative_config=spec, max_num_seqs=2, device="cpu")
     got = static.generate(ENGINE_PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

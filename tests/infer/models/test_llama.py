@@ -261,7 +261,7 @@ def test_grouped_attention_equals_repeated_keys():
     as repeating every kv head for its query heads."""
     import torch.nn.functional as F
 
-    from infer.models.llama import grouped_attention, position_mask
+    from infer.models.llama import group_mask, grouped_attention, position_mask
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(3, 8, 4, 16, generator=gen)  # [B, heads, T, hd]
@@ -270,4 +270,4 @@ def test_grouped_attention_equals_repeated_keys():
                          torch.arange(11))  # [B, 1, T, S], ragged causal
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, dim=1),
                                           v.repeat_interleave(4, dim=1), attn_mask=mask)
-    torch.testing.assert_close(grouped_attention(q, k, v, mask, 4), want)
+    torch.testing.assert_close(grouped_attention(q, k, v, group_mask(mask, 4)), want)
