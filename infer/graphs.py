@@ -15,8 +15,9 @@ fixed addresses, so :class:`StaticForward` runs every step in a fixed layout:
   after the step: a short batch does not read the whole cache, and a model needs few graphs
   (row sizes x token counts x key buckets).
 - buffers: input ids and ``num_tokens`` live in static tensors written before each replay;
-  outputs are gathered back into the caller's row order, which copies them, so nothing the
-  caller holds is overwritten by the next replay.
+  the graphs of one token count write one shared set of output tensors (so graph memory does
+  not grow with the number of shapes), which are gathered back into the caller's row order, a
+  copy, so nothing the caller holds is overwritten by the next replay.
 
 Each shape is captured on first use, after one warm-up run (cuBLAS handles, allocator, Triton
 autotuning). The warm-up writes the step's keys exactly where the replay writes them again and its
