@@ -352,7 +352,9 @@ class Attention(nn.Module):
         if step is not None:
             k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
         rep = self.num_heads // self.num_kv_heads
-        if rep > 1 and mask is not None and mask.shape[-2] == rep * t:  # grouped by _run
+        if rep > 1 and mask is not None and q.is_cuda and mask.shape[1] == 1:
+            if mask.shape[-2] != rep * t:  # not grouped yet (Llama._run groups once per forward)
+                mask = group_mask(mask, rep)
             out = grouped_attention(q, k, v, mask)
         elif rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
