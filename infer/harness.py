@@ -173,7 +173,8 @@ class EngineTimers:
 
 @contextmanager
 def instrument(llm: LLM) -> Iterator[EngineTimers]:
-    """Time an engine's steps, verify forwards and proposer calls; restores them on exit."""
+    """Time an engine's steps, verify forwards, prefills and proposer calls; restores them on
+    exit."""
     timers = EngineTimers(*(Timer(llm.device) for _ in range(4)))
     patched = [(llm, "speculative_step", timers.step.wrap(llm.speculative_step)),
                (llm, "_verify", timers.verify.wrap(  # graph replays included, prefills not
@@ -218,8 +219,8 @@ def warm_up(llm: LLM, prompts: list, params: SamplingParams) -> None:
 
 
 def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params: SamplingParams,
-             batch_size: int, seed: int, warmup: bool) -> _Run:
-    llm = engine.with_config(spec, max_num_seqs=batch_size, seed=seed)  # the target stays loaded
+             batch_size: int, warmup: bool) -> _Run:
+    llm = engine.with_config(spec, max_num_seqs=batch_size)  # the target stays loaded; same seed
     device = str(llm.device)
     try:
         if warmup:
@@ -357,7 +358,7 @@ def run_harness(target: str, configs: Sequence[HarnessConfig] | Mapping[str, Any
     def baseline(batch: int, temp: float) -> tuple[Baseline, _Run]:
         if (batch, temp) not in baselines:
             run = _measure(engine, None, prompts, _params(temp, max_tokens, ignore_eos), batch,
-                           seed, warmup)
+                           warmup)
             base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, run.timers.step.calls,
                             run.timers.step.median)
             log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
@@ -369,7 +370,7 @@ def run_harness(target: str, configs: Sequence[HarnessConfig] | Mapping[str, Any
         base, ar = baseline(cfg.batch_size, cfg.temperature)
         spec = cfg.spec()
         run = _measure(engine, spec, prompts, _params(cfg.temperature, max_tokens, ignore_eos),
-                       cfg.batch_size, seed, warmup)
+                       cfg.batch_size, warmup)
         row = _result(cfg, spec, run, base, ar)
         results.append(row)
         log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
