@@ -14,9 +14,7 @@ from infer.engine import LLM
 from infer.kv_cache import KVCache
 from infer.sampling import SamplingParams
 from train.objectives.ttt import step_valid, ttt_attention_mask
-from ..conftest import adam_steps
-
-from .test_eagle3 import build, make_env, mean_eval_loss
+from .test_eagle3 import build, make_env, train_briefly
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +24,7 @@ def env(train_data):
 
 @pytest.fixture(scope="module")
 def trained(env, train_data):
-    obj = build("eagle", env, train_data)
-    before = mean_eval_loss(obj, env[2])
-    adam_steps(obj, env[2])
-    return obj, before, mean_eval_loss(obj, env[2])
+    return train_briefly("eagle", env, train_data)
 
 
 def test_feature_spec_and_shared_heads(env, train_data):

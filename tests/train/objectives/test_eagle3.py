@@ -57,6 +57,12 @@ def mean_eval_loss(obj, batches) -> float:
         return sum(float(obj(b).loss) for b in batches) / len(batches)
 
 
+def train_briefly(method, env, train_data):
+    """``(objective, eval loss before, eval loss after)`` a few Adam steps on the env's batches."""
+    obj = build(method, env, train_data)
+    before = mean_eval_loss(obj, env[2])
+    adam_steps(obj, env[2])
+    return obj, before, mean_eval_loss(obj, env[2])
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +72,7 @@ def env(train_data):
 
 @pytest.fixture(scope="module")
 def trained(env, train_data):
-    obj = build("eagle3", env, train_data)
-    before = mean_eval_loss(obj, env[2])
-    adam_steps(obj, env[2])
-    return obj, before, mean_eval_loss(obj, env[2])
+    return train_briefly("eagle3", env, train_data)
 
 
 # ---- masks, shifts, metrics (by hand) -----------------------------------------------------------
