@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
+from infer.models.layout import FusedLinear
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -162,10 +163,15 @@ def _yarn_frequencies(r: RopeConfig, dim: int, max_pos: int, device) -> tuple[Te
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin ``[B, 1, T, head_dim]`` for ``positions [B, T]``, computed in fp32 then cast."""
+    """cos and *signed* sin ``[B, 1, T, head_dim]`` for ``positions [B, T]`` (fp32, then cast),
+    as :func:`apply_rope` takes them: the sin's first half is negated, which folds
+    ``rotate_half``'s negation into the table (computed once per forward, not per layer)."""
     freqs = positions[..., None].float() * inv_freq  # [B, T, hd / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, hd]
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [B, T, hd]
+    return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -186,52 +192,12 @@ _SDPA_GQA = _sdpa_supports_gqa()
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
-def _fused_weight(fused: Tensor | None, parts: list[Tensor | None]) -> Tensor | None:
-    """``fused`` if ``parts`` are still its consecutive row blocks (same storage), else None.
-
-    :meth:`Llama.fuse_projections` makes the q/k/v (and gate/up) parameters views into one fused
-    tensor; anything that later replaces a parameter or its ``.data`` (``load_state_dict``,
-    ``.to()``) breaks the aliasing, which this detects, and the layer falls back to separate
-    projections. Autograd through the separate parameters is kept: the fused tensor is only
-    used when no gradient is being recorded for them.
-    """
-    if fused is None or parts[0] is None:
-        return None
-    if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
-        return None
-    ptr, step = fused.data_ptr(), fused.element_size()
-    for p in parts:
-        if (p.data_ptr() != ptr or p.dtype != fused.dtype or p.device != fused.device
-                or not p.is_contiguous()):
-            return None
-        ptr += p.numel() * step
-    return fused
-
-
-def _fuse_params(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
-    """Concatenate the linears' weights (and biases) along the output dim into one tensor each
-    and re-point every parameter at its row block of it (views: no extra memory, in-place
-    updates stay shared)."""
-    out = []
-    for attr in ("weight", "bias"):
-        params = [getattr(lin, attr) for lin in linears]
-        if params[0] is None:
-            out.append(None)
-            continue
-        fused = torch.cat([p.detach() for p in params], dim=0)
-        start = 0
-        for lin, p in zip(linears, params):
-            n = p.shape[0]
-            setattr(lin, attr, nn.Parameter(fused[start:start + n], requires_grad=p.requires_grad))
-            start += n
-        out.append(fused)
-    return out[0], out[1]
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [B, heads, T, hd]`` (half-split layout, as in Hugging Face checkpoints)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Rotate ``x [B, heads, T, hd]`` (half-split layout, as in Hugging Face checkpoints), with
+    ``cos, sin`` from :func:`rope_cos_sin`: Hugging Face's ``x * cos + cat(-x2, x1) * sin``,
+    bit for bit, as ``x * cos + cat(x2, x1) * cat(-sin, sin)`` (one roll instead of a chunk, a
+    negation and a concatenation per layer)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def group_mask(mask: Tensor, rep: int) -> Tensor:
@@ -313,31 +279,31 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, h, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self._qkv: tuple[Tensor | None, Tensor | None] = (None, None)  # see fuse()
+        self._qkv: FusedLinear | None = None  # see fuse()
 
     def fuse(self) -> None:
         """Back q/k/v by one fused weight so a forward runs one projection instead of three
         (parameter names and ``state_dict`` are unchanged). Only when they share an input width."""
         lins = [self.q_proj, self.k_proj, self.v_proj]
         if len({lin.in_features for lin in lins}) == 1:
-            self._qkv = _fuse_params(lins)
+            self._qkv = FusedLinear(lins)
 
     def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``([B, T, q_dim + kv_dim], v [B, T, kv_dim])``: q and k side by side (one tensor, so
         RoPE can rotate both at once), then v."""
         q_dim, kv_dim = self.q_proj.out_features, self.k_proj.out_features
-        w = _fused_weight(self._qkv[0], [self.q_proj.weight, self.k_proj.weight,
-                                         self.v_proj.weight])
-        if w is not None and (self.q_proj.bias is None or _fused_weight(
-                self._qkv[1], [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) is not None):
-            qk, v = F.linear(x, w, self._qkv[1]).split([q_dim + kv_dim, kv_dim], dim=-1)
+        if self._qkv is not None and self._qkv.active():
+            qk, v = self._qkv(x).split([q_dim + kv_dim, kv_dim], dim=-1)
             return qk, v
         return torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1), self.v_proj(x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 step: CacheStep | None = None) -> Tensor:
-        """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` None means plain causal over ``x`` alone."""
+        """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` None: causal over ``x`` alone, or, for one
+        query (``T == 1``), every key (a cached decode step of one row attends its whole cache
+        and needs no mask: :meth:`Llama.forward` passes none then)."""
         b, t, _ = x.shape
+        causal = mask is None and t > 1
         qk, v = self._project_qkv(x)  # [B, T, (heads + kv_heads) * hd], [B, T, kv_heads * hd]
         qk = qk.view(b, t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, hd]
@@ -357,12 +323,12 @@ class Attention(nn.Module):
                 mask = group_mask(mask, rep)
             out = grouped_attention(q, k, v, mask)
         elif rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  enable_gqa=True)
         else:
             if rep > 1:  # expand kv heads to query heads (a copy; older torch)
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
 
 
@@ -375,17 +341,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self._gate_up: tuple[Tensor | None, Tensor | None] = (None, None)  # see fuse()
+        self._gate_up: FusedLinear | None = None  # see fuse()
 
     def fuse(self) -> None:
         """Back gate/up by one fused weight (one projection per forward; same names)."""
-        self._gate_up = _fuse_params([self.gate_proj, self.up_proj])
+        self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: Tensor) -> Tensor:
-        w = _fused_weight(self._gate_up[0], [self.gate_proj.weight, self.up_proj.weight])
-        if w is not None and (self.gate_proj.bias is None or _fused_weight(
-                self._gate_up[1], [self.gate_proj.bias, self.up_proj.bias]) is not None):
-            gate, up = F.linear(x, w, self._gate_up[1]).chunk(2, dim=-1)
+        if self._gate_up is not None and self._gate_up.active():
+            gate, up = self._gate_up(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -455,8 +419,11 @@ class Llama(nn.Module):
         """
         b, t = input_ids.shape
         step = cache.plan(b, t, slots, num_tokens, kv_len)
-        key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
-        masks = self._layer_masks(lambda w: position_mask(step.positions, key_pos, w))
+        if b == t == 1 and kv_len is None and not self.config.sliding_layers:
+            masks = [None] * self.config.num_layers  # one query over exactly its row's keys
+        else:
+            key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
+            masks = self._layer_masks(lambda w: position_mask(step.positions, key_pos, w))
         out = self._run(input_ids, step.positions, masks, step, aux_layer_ids, logits_at)
         cache.advance(step)
         return out

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from infer.models.layout import pack_for_cpu_
 from infer.models.llama import ROPE_TYPES, Llama, ModelConfig, RopeConfig
 from infer.validation import config_error
 
@@ -208,8 +209,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
 
     The model is built on the meta device (no random init), the safetensors tensors are assigned
     in place, converted to ``dtype`` on ``device``. Returned frozen (``requires_grad=False``) and
-    in eval mode: it is a target model. To train it, load with ``fuse=False`` (every parameter
-    its own storage, as sharded optimizers need) and call ``requires_grad_(True)``.
+    in eval mode: it is a target model, in the inference layout (infer/models/layout.py: fused
+    q/k/v and gate/up, and on CPU oneDNN-packed linear weights). To train it, load with
+    ``fuse=False`` (PyTorch's layout, every parameter its own storage, as sharded optimizers
+    need) and call ``requires_grad_(True)``.
     """
     model_dir = resolve_model_dir(path)
     hf, generation = _read_hf_configs(model_dir)
@@ -238,4 +241,5 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     model.init_buffers()
     if fuse:
         model.fuse_projections()  # one q/k/v and one gate/up matmul per layer (names unchanged)
+        pack_for_cpu_(model)
     return model.requires_grad_(False).eval()

@@ -22,7 +22,7 @@ def test_fused_projections_match_separate_and_keep_names():
         fused = model.forward_train(ids).logits
         model.load_state_dict(model.state_dict())  # copies into the same storage: still fused
         for layer in model.layers:  # unfused reference
-            layer.self_attn._qkv, layer.mlp._gate_up = (None, None), (None, None)
+            layer.self_attn._qkv = layer.mlp._gate_up = None
         torch.testing.assert_close(model.forward_train(ids).logits, fused, rtol=1e-5, atol=1e-6)
 
 

@@ -97,6 +97,20 @@ def test_cached_decoding_equals_full_sequence(pair):
 
 
 @torch.no_grad()
+def test_one_row_decoding_equals_full_sequence(pair):
+    """A one-row, one-token step attends its whole cache without a mask (sliding-window layers
+    keep theirs: the sequence outgrows the windows)."""
+    _, model = pair
+    ids = token_ids(1, 14, seed=4)
+    full = model.forward_train(ids).logits
+    cache = KVCache.for_model(model.config, max_batch=3, max_len=32)
+    slots = torch.tensor([1])
+    pieces = [model(ids[:, :4], cache, slots).logits]
+    pieces += [model(ids[:, t:t + 1], cache, slots).logits for t in range(4, 14)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
 def test_sync_free_fixed_kv_len_matches(pair):
     _, model = pair
     ids = token_ids(2, 10, seed=3)

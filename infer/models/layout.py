@@ -1,0 +1,139 @@
+"""Inference layouts of frozen linear weights: fused projections, and oneDNN-packed weights on CPU.
+
+Fusion (:class:`FusedLinear`): q/k/v (and gate/up) read the same input, so one matmul over their
+concatenated weights replaces three (two). The parameters become views into the fused tensor, so
+names, ``state_dict`` and in-place updates are unchanged.
+
+Packing (:func:`pack_for_cpu_`): ``nn.Linear`` keeps ``weight [out, in]`` row-major and CPU
+``F.linear`` hands it to MKL, whose kernels at the row counts of decoding (1 row per request per
+step; k + 1 when verifying) reach a fraction of the memory bandwidth. oneDNN's
+``_linear_pointwise`` with the weight reordered once into its blocked layout (what inductor's
+CPU freezing does) is 2-4x faster there: on the tiny target's 17 projections (16 MB fp32,
+2 threads), 3.0 -> 0.8 ms for 4 rows and 3.9 -> 0.8 ms for 8 (docs/benchmarks.md). The packed
+copy is kept next to the weight (the weight stays what the rest of the code reads: tied and
+shared embeddings, ``state_dict``), so packed linears take twice their memory on CPU.
+
+A packed or fused weight is used only while it still describes the parameters: a replaced
+``.data`` (``.to()``, ``load_state_dict(assign=True)``) or an in-place edit (``copy_``, which
+bumps the tensor's version) falls back to the plain ``F.linear`` of the parameters, as does a
+forward that records gradients for them. CUDA weights are never packed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_PACKABLE = (torch.float32, torch.bfloat16)
+
+
+class PackedWeight:
+    """oneDNN's blocked copy of a CPU weight ``[out, in]``, valid while the weight is unchanged."""
+
+    def __init__(self, weight: Tensor, packed: Tensor) -> None:
+        self.tensor = packed
+        self._ptr, self._version = weight.data_ptr(), weight._version
+
+    @classmethod
+    def of(cls, weight: Tensor) -> "PackedWeight | None":
+        """The packed copy, or None where oneDNN cannot take it (device, dtype, build)."""
+        if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE or weight.dim() != 2
+                or not torch.backends.mkldnn.is_available()):
+            return None
+        try:
+            return cls(weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        except (AttributeError, RuntimeError):  # a torch without the op, or a shape it refuses
+            return None
+
+    def describes(self, weight: Tensor) -> bool:
+        return weight.data_ptr() == self._ptr and weight._version == self._version
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None,
+           packed: PackedWeight | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, through ``packed`` when it is still valid and no gradient
+    is needed (oneDNN's op has no autograd)."""
+    if (packed is not None and x.dtype == weight.dtype and packed.describes(weight)
+            and not _records_grad(x, weight, bias)):
+        return torch.ops.mkldnn._linear_pointwise.default(x, packed.tensor, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _records_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward runs through its packed weight (see :func:`pack_for_cpu_`,
+    which turns linears into this class in place; parameters and names are untouched)."""
+
+    _packed: PackedWeight | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self._packed)
+
+
+class FusedLinear:
+    """Linears that read the same input, run as one: their weights (and biases) concatenated
+    along the output dim, each parameter re-pointed at its row block (views: no extra memory,
+    in-place updates stay shared). ``__call__`` returns the concatenated outputs."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        self.weight = _fuse([lin.weight for lin in linears])
+        biases = [lin.bias for lin in linears]
+        self.bias = None if biases[0] is None else _fuse(biases)
+        for lin, w, b in zip(linears, self._split(self.weight), self._split(self.bias)):
+            lin.weight = nn.Parameter(w, requires_grad=lin.weight.requires_grad)
+            if b is not None:
+                lin.bias = nn.Parameter(b, requires_grad=lin.bias.requires_grad)
+        self._ptrs = [p.data_ptr() for p in self._params()]  # where the row blocks live
+        self.packed: PackedWeight | None = None
+
+    def _params(self) -> list[Tensor]:
+        weights = [lin.weight for lin in self.linears]
+        return weights if self.bias is None else weights + [lin.bias for lin in self.linears]
+
+    def active(self) -> bool:
+        """Whether the parameters are still the fused tensors' row blocks (nothing replaced
+        them or their ``.data``) and no gradient is recorded for them: else run the separate
+        linears. Called per forward, so it only compares addresses."""
+        params = self._params()
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return False
+        return all(p.data_ptr() == ptr for p, ptr in zip(params, self._ptrs))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+    def _split(self, fused: Tensor | None) -> list[Tensor | None]:
+        if fused is None:
+            return [None] * len(self.linears)
+        return list(fused.split([lin.out_features for lin in self.linears]))
+
+
+def _fuse(params: list[Tensor]) -> Tensor:
+    return torch.cat([p.detach() for p in params], dim=0)
+
+
+def pack_for_cpu_(module: nn.Module) -> nn.Module:
+    """Pack every CPU linear of ``module`` for inference, in place; returns it.
+
+    Fused projections (:class:`FusedLinear` attributes of submodules, e.g. after
+    :meth:`~infer.models.llama.Llama.fuse_projections`) are packed as one; their separate parts
+    are not (they only run when the fused path cannot). Other ``nn.Linear`` modules become
+    :class:`PackedLinear`. A no-op on CUDA and wherever oneDNN cannot pack.
+    """
+    fused = [v for sub in module.modules() for v in vars(sub).values()
+             if isinstance(v, FusedLinear)]
+    parts = {id(lin) for f in fused for lin in f.linears}
+    for f in fused:
+        f.packed = PackedWeight.of(f.weight)
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) and id(sub) not in parts:
+            packed = PackedWeight.of(sub.weight)
+            if packed is not None:
+                sub.__class__ = PackedLinear
+                sub._packed = packed
+    return module

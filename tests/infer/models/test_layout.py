@@ -1,0 +1,120 @@
+"""Inference layouts (infer/models/layout.py): packed and fused linears compute what the plain
+parameters do, and step aside whenever the parameters change or need gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.models.layout import FusedLinear, PackedLinear, PackedWeight, pack_for_cpu_
+from infer.models.llama import Llama, ModelConfig, apply_rope, rope_cos_sin
+
+needs_packing = pytest.mark.skipif(PackedWeight.of(torch.zeros(2, 2)) is None,
+                                   reason="this torch build cannot pack weights with oneDNN")
+
+
+def tiny_llama(tied: bool = False, **overrides) -> Llama:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=48, tie_word_embeddings=tied, **overrides)
+    return Llama(cfg).eval()
+
+
+def uses_packed(linear: torch.nn.Linear) -> bool:
+    return linear._packed is not None and linear._packed.describes(linear.weight)
+
+
+@needs_packing
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_matches_plain_and_keeps_names(tied):
+    model = tiny_llama(tied, qkv_bias=True)
+    ids = torch.randint(0, 64, (3, 9))
+    with torch.no_grad():
+        ref = model.forward_train(ids).logits
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        pack_for_cpu_(model.fuse_projections())
+        out = model.forward_train(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert isinstance(model.lm_head, PackedLinear) and isinstance(model.lm_head, torch.nn.Linear)
+    assert model.layers[0].self_attn._qkv.packed is not None
+    # fused parts run only when fusion cannot: they are left unpacked
+    assert not isinstance(model.layers[0].self_attn.q_proj, PackedLinear)
+    if tied:
+        assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@needs_packing
+def test_in_place_edits_and_replaced_data_fall_back_to_the_parameters():
+    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    plain = tiny_llama()  # same seed: same weights, default layout
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        for m in (model, plain):  # an in-place edit (load_state_dict copies like this)
+            m.lm_head.weight.mul_(2.0)
+            m.layers[0].self_attn.k_proj.weight.add_(0.5)
+            m.layers[1].mlp.up_proj.weight.sub_(0.25)
+        assert not uses_packed(model.lm_head)
+        torch.testing.assert_close(model.forward_train(ids).logits,
+                                   plain.forward_train(ids).logits, rtol=1e-5, atol=1e-5)
+        for m in (model, plain):  # .data replaced (as .to() / assign=True loading do)
+            m.layers[1].mlp.down_proj.weight.data = m.layers[1].mlp.down_proj.weight.data * -1
+            m.layers[0].self_attn.v_proj.weight.data = m.layers[0].self_attn.v_proj.weight * 3
+        assert not model.layers[0].self_attn._qkv.active()
+        torch.testing.assert_close(model.forward_train(ids).logits,
+                                   plain.forward_train(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_gradients_flow_through_the_plain_parameters():
+    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    plain = tiny_llama()
+    ids = torch.randint(0, 64, (2, 6))
+    grads = []
+    for m in (model, plain):
+        m.requires_grad_(True)
+        m.forward_train(ids).logits.square().mean().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@needs_packing
+def test_bfloat16_packing_matches_plain_linear():
+    weight, bias = torch.randn(24, 16).bfloat16(), torch.randn(24).bfloat16()
+    lin = torch.nn.Linear(16, 24, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        lin.bias.copy_(bias)
+    pack_for_cpu_(lin)
+    x = torch.randn(3, 1, 16).bfloat16()
+    with torch.no_grad():
+        assert uses_packed(lin)
+        torch.testing.assert_close(lin(x), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2)
+
+
+def test_fused_linear_concatenates_outputs_and_reports_replaced_parameters():
+    lins = [torch.nn.Linear(8, n) for n in (4, 6)]
+    x = torch.randn(5, 8)
+    want = torch.cat([lin(x) for lin in lins], -1).detach()
+    fused = FusedLinear(lins)
+    with torch.no_grad():
+        assert fused.active()
+        torch.testing.assert_close(fused(x), want)
+    assert not fused.active()  # gradients recorded for the parameters: run them separately
+    lins[1].bias = torch.nn.Parameter(torch.zeros(6))
+    with torch.no_grad():
+        assert not fused.active()
+
+
+def test_rope_rotation_is_hugging_faces_bit_for_bit():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    positions = torch.arange(40).view(2, 20)
+    x = torch.randn(2, 3, 20, 16)
+    cos, sin = rope_cos_sin(inv_freq, positions, 1.0, torch.float32)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), -1)[:, None]
+    x1, x2 = x.chunk(2, -1)
+    want = x * emb.cos() + torch.cat((-x2, x1), -1) * emb.sin()
+    assert torch.equal(apply_rope(x, cos, sin), want)
