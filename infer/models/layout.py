@@ -122,16 +122,17 @@ def pack_for_cpu_(module: nn.Module) -> nn.Module:
 
     Fused projections (:class:`FusedLinear` attributes of submodules, e.g. after
     :meth:`~infer.models.llama.Llama.fuse_projections`) are packed as one; their separate parts
-    are not (they only run when the fused path cannot). Other ``nn.Linear`` modules become
-    :class:`PackedLinear`. A no-op on CUDA and wherever oneDNN cannot pack.
+    are not (they only run when the fused path cannot). Other plain ``nn.Linear`` modules become
+    :class:`PackedLinear`; one already packed (an EAGLE head sharing the target's LM head) is
+    left as it is. A no-op on CUDA and wherever oneDNN cannot pack.
     """
     fused = [v for sub in module.modules() for v in vars(sub).values()
              if isinstance(v, FusedLinear)]
     parts = {id(lin) for f in fused for lin in f.linears}
     for f in fused:
         f.packed = PackedWeight.of(f.weight)
-    for sub in module.modules():
-        if isinstance(sub, nn.Linear) and id(sub) not in parts:
+    for sub in module.modules():  # a linear shared with a packed model keeps its packing
+        if type(sub) is nn.Linear and id(sub) not in parts:
             packed = PackedWeight.of(sub.weight)
             if packed is not None:
                 sub.__class__ = PackedLinear

@@ -46,6 +46,15 @@ def test_packed_model_matches_plain_and_keeps_names(tied):
 
 
 @needs_packing
+def test_a_shared_packed_linear_is_not_packed_again():
+    target = pack_for_cpu_(tiny_llama())
+    head = torch.nn.ModuleDict({"fc": torch.nn.Linear(8, 8), "lm_head": target.lm_head})
+    packed = target.lm_head._packed
+    pack_for_cpu_(head)
+    assert head["lm_head"]._packed is packed and isinstance(head["fc"], PackedLinear)
+
+
+@needs_packing
 def test_in_place_edits_and_replaced_data_fall_back_to_the_parameters():
     model = pack_for_cpu_(tiny_llama().fuse_projections())
     plain = tiny_llama()  # same seed: same weights, default layout
