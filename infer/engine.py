@@ -27,7 +27,7 @@ from infer.models.loader import load_model
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
                                   get_proposer_class)
 from infer.rejection import greedy_verify, rejection_sample
-from infer.request import CompletionOutput, Request, RequestOutput
+from infer.request import CompletionOutput, Request, RequestOutput, prefill_groups
 from infer.sampling import BatchGenerator, Generator, SamplingParams
 from infer.spec_config import SpeculativeConfig
 from infer.validation import check_float, check_int, config_error
@@ -243,10 +243,11 @@ class LLM:
         """Prefill waiting requests into free slots; returns those still waiting."""
         free = sorted(set(range(self.max_num_seqs)) - {r.slot for r in self._running})
         admitted, waiting = waiting[: len(free)], waiting[len(free):]
-        if admitted:
-            for req, slot in zip(admitted, free):
-                req.slot = slot
-            self._prefill(admitted)
+        for req, slot in zip(admitted, free):
+            req.slot = slot
+        for group in prefill_groups([len(r.prompt_ids) for r in admitted]):
+            self._prefill([admitted[i] for i in group])  # similar lengths: little padding
+        self._running.sort(key=lambda r: r.slot)  # rows 0 .. B-1 in order read cache views
         return waiting
 
     @torch.no_grad()

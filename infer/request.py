@@ -94,3 +94,29 @@ class Request:
             if self.finished:
                 return i + 1
         return len(new)
+
+
+def prefill_groups(lengths: list[int], call_cost: int = 64) -> list[list[int]]:
+    """Split requests with prompt ``lengths`` into prefill forwards, as indices into ``lengths``.
+
+    A ragged prefill pads every row to the longest prompt of its forward, so one forward over
+    prompts of 64 and 257 tokens computes 2 x 257 rows. Sorted by length, a split into
+    consecutive groups minimises ``sum(len(group) * longest(group)) + call_cost * groups``
+    (``call_cost``: one forward's fixed cost, in padded tokens), found exactly by dynamic
+    programming over the sorted lengths. On the tiny target's 8 held-out prompts (64 to 257
+    tokens) that is 1508 padded tokens in 4 forwards instead of 2056 in one.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = [0] + [None] * len(order)  # best[j]: cost of prefilling the j shortest
+    cut = [0] * (len(order) + 1)  # best[j]'s last group starts at sorted index cut[j]
+    for j in range(1, len(order) + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + call_cost
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
