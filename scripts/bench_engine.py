@@ -1,7 +1,7 @@
 """Engine throughput on the embedded tiny target, side by side with Hugging Face transformers.
 
-    python scripts/bench_engine.py [--prompts 8] [--max-tokens 64] [--k 3 5] [--record]
-        [--device cuda --dtype bfloat16]
+    python scripts/bench_engine.py [--prompts 8] [--max-tokens 64] [--k 3 5] [--repeats 3]
+        [--record] [--device cuda --dtype bfloat16]
 
 For batch 1 and 8: tokens/s of draftsmith's autoregressive decoding and of each speculative
 method, next to transformers' ``generate`` (plain; with ``assistant_model``; with
@@ -9,8 +9,9 @@ method, next to transformers' ``generate`` (plain; with ``assistant_model``; wit
 For each method it also reports the speedup modelled from the measured batch steps, step costs
 and prefill time (``modelled_speedup``, a timing model, unlike the harness's acceptance-based
 ``infer.advisor.predicted_speedup``; costs timed by ``infer.harness.instrument``), and the ratio
-measured / modelled. Greedy decoding; fp32 on
-CPU (threads as torch sets them). On CUDA the engine's steps are CUDA graphs, so an extra row
+measured / modelled. Every row is the median of ``--repeats`` runs that alternate with
+transformers' (a shared machine's load moves both alike). Greedy decoding; fp32 on CPU (threads
+as torch sets them). On CUDA the engine's steps are CUDA graphs, so an extra row
 runs the same decoding with ``enforce_eager=True``, and the roofline line compares the decode
 step with the time to stream the weights once at the GPU's memory bandwidth. ``--record``
 appends the table to docs/benchmarks.md. ``python infer.py mode=eval`` is the fuller version
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,27 +37,35 @@ from train.tiny_target import default_draft_dir
 from train.tiny_target_build import ensure_tiny_target
 
 
-def run_engine(target: str, spec, prompts, max_tokens: int, batch: int, device: str = "cpu",
-               dtype: str = "auto", eager: bool = False) -> dict:
+def engine_runner(target: str, spec, prompts, max_tokens: int, batch: int, device: str = "cpu",
+                  dtype: str = "auto", eager: bool = False) -> Callable[[], dict]:
+    """A warmed-up engine; each call of the returned function times one ``generate``."""
     llm = LLM(target, speculative_config=spec, max_num_seqs=batch, device=device, dtype=dtype,
               enforce_eager=eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm_up(llm, prompts, params)
-    llm.metrics.__init__()
-    with instrument(llm) as timers:  # step / verify forward / propose wall times
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    m = llm.get_metrics()
-    return {"tok_s": tokens / elapsed, "tokens": tokens, "accept_len": m["mean_acceptance_length"],
-            "c_step": timers.step.mean, "c_verify": timers.verify.mean,
-            "c_draft": timers.draft.mean, "steps": timers.step.calls,
-            "prefill_s": timers.prefill.seconds, "outputs": [o.token_ids for o in outs]}
+
+    def run() -> dict:
+        llm.metrics.__init__()
+        with instrument(llm) as timers:  # step / verify forward / propose wall times
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+        tokens = sum(len(o.token_ids) for o in outs)
+        m = llm.get_metrics()
+        return {"tok_s": tokens / elapsed, "tokens": tokens,
+                "accept_len": m["mean_acceptance_length"], "c_step": timers.step.mean,
+                "c_verify": timers.verify.mean, "c_draft": timers.draft.mean,
+                "steps": timers.step.calls, "prefill_s": timers.prefill.seconds,
+                "outputs": [o.token_ids for o in outs]}
+    return run
 
 
-def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: str,
-           k: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float | None:
+def hf_runner(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: str,
+              k: int, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> Callable[[], float] | None:
+    """transformers' ``generate`` on the same prompts, warmed up; each call returns tok/s.
+    None where transformers has no batched version of the mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if mode != "plain" and batch > 1:
@@ -71,16 +82,33 @@ def run_hf(target: str, draft: str, prompts, max_tokens: int, batch: int, mode: 
         kwargs["num_assistant_tokens_schedule"] = "constant"
     elif mode == "prompt_lookup":
         kwargs["prompt_lookup_num_tokens"] = k
-    tokens, start = 0, time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch):
-            enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True,
-                      add_special_tokens=False).to(device)
-            out = model.generate(**enc, **kwargs)
-            tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - start)
+
+    def run(n: int = len(prompts)) -> float:
+        tokens, start = 0, time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, n, batch):
+                enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True,
+                          add_special_tokens=False).to(device)
+                out = model.generate(**enc, **kwargs)
+                tokens += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return tokens / (time.perf_counter() - start)
+    run(batch)  # warm-up: first-call initialisation is not timed
+    return run
+
+
+def interleaved(engine: Callable[[], dict], hf: Callable[[], float] | None,
+                repeats: int) -> tuple[dict, float | None]:
+    """Alternate the engine's and transformers' runs ``repeats`` times (so both see the same
+    machine load) and return each one's median run."""
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(engine())
+        if hf is not None:
+            theirs.append(hf())
+    ours.sort(key=lambda r: r["tok_s"])
+    return ours[len(ours) // 2], statistics.median(theirs) if theirs else None
 
 
 def modelled_speedup(ar: dict, spec: dict) -> float:
@@ -127,6 +155,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per row, alternating with transformers'; the median is reported")
     ap.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
     args = ap.parse_args()
 
@@ -138,45 +168,50 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     hf_dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     engine = dict(device=args.device, dtype=args.dtype)
-    lines = ["| batch | method | k | tok/s | HF tok/s | accept len | steps | speedup | predicted | "
-             "measured/predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | method | k | tok/s | HF tok/s | vs HF | accept len | steps | speedup | "
+             "predicted | measured/predicted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for batch in args.batches:
-        ar = run_engine(target, None, prompts, args.max_tokens, batch, **engine)
-        hf_plain = run_hf(target, draft, prompts, args.max_tokens, batch, "plain", 0,
-                          args.device, hf_dtype)
-        lines.append(f"| {batch} | autoregressive | - | {ar['tok_s']:.1f} | {hf_plain:.1f} | 1.00 "
-                     f"| {ar['steps']} | 1.00 | - | - |")
+        ar, hf_plain = interleaved(
+            engine_runner(target, None, prompts, args.max_tokens, batch, **engine),
+            hf_runner(target, draft, prompts, args.max_tokens, batch, "plain", 0, args.device,
+                      hf_dtype), args.repeats)
+        lines.append(f"| {batch} | autoregressive | - | {ar['tok_s']:.1f} | {hf_plain:.1f} | "
+                     f"{ar['tok_s'] / hf_plain:.2f} | 1.00 | {ar['steps']} | 1.00 | - | - |")
         print(lines[-1], flush=True)
         if cuda:  # the same steps without CUDA graphs
-            eager = run_engine(target, None, prompts, args.max_tokens, batch, **engine,
-                               eager=True)
+            eager, _ = interleaved(engine_runner(target, None, prompts, args.max_tokens, batch,
+                                                 **engine, eager=True), None, args.repeats)
             lines.append(f"| {batch} | autoregressive (enforce_eager) | - | {eager['tok_s']:.1f} "
-                         f"| - | 1.00 | {eager['steps']} | {eager['tok_s'] / ar['tok_s']:.2f} | - "
-                         "| - |")
+                         f"| - | - | 1.00 | {eager['steps']} | {eager['tok_s'] / ar['tok_s']:.2f} "
+                         "| - | - |")
             notes.append(roofline(target, args.device, args.dtype, ar["c_step"], batch))
             print(lines[-1], notes[-1], sep="\n", flush=True)
         for name, base in methods.items():
             for k in args.k:
-                r = run_engine(target, {**base, "num_speculative_tokens": k}, prompts,
-                               args.max_tokens, batch, **engine)
+                r, hf = interleaved(
+                    engine_runner(target, {**base, "num_speculative_tokens": k}, prompts,
+                                  args.max_tokens, batch, **engine),
+                    hf_runner(target, draft, prompts, args.max_tokens, batch, hf_modes[name], k,
+                              args.device, hf_dtype) if name in hf_modes else None,
+                    args.repeats)
                 lossless = r["outputs"] == ar["outputs"]
-                hf = run_hf(target, draft, prompts, args.max_tokens, batch, hf_modes[name], k,
-                            args.device, hf_dtype) if name in hf_modes else None
                 pred = modelled_speedup(ar, r)
                 speed = r["tok_s"] / ar["tok_s"]
+                hf_cols = "n/a | -" if hf is None else f"{hf:.1f} | {r['tok_s'] / hf:.2f}"
                 lines.append(f"| {batch} | {name}{'' if lossless else ' (MISMATCH)'} | {k} | "
-                             f"{r['tok_s']:.1f} | {'n/a' if hf is None else f'{hf:.1f}'} | "
-                             f"{r['accept_len']:.2f} | {r['steps']} | {speed:.2f} | {pred:.2f} | "
-                             f"{speed / pred:.2f} |")
+                             f"{r['tok_s']:.1f} | {hf_cols} | {r['accept_len']:.2f} | "
+                             f"{r['steps']} | {speed:.2f} | {pred:.2f} | {speed / pred:.2f} |")
                 print(lines[-1], flush=True)
     where = (torch.cuda.get_device_name() if cuda
              else f"{platform.machine()}, {torch.get_num_threads()} threads")
     header = (f"\n## Engine throughput, tiny target ({'GPU' if cuda else 'CPU'})\n\n"
               f"`python scripts/bench_engine.py --prompts {args.prompts} --max-tokens "
-              f"{args.max_tokens} --device {args.device} --dtype {args.dtype}` on {where}, torch "
-              f"{torch.__version__}, {time.strftime('%Y-%m-%d')}. HF = transformers generate "
-              "(plain; assistant_model for draft_model; prompt_lookup_num_tokens for ngram).\n\n")
+              f"{args.max_tokens} --repeats {args.repeats} --device {args.device} --dtype "
+              f"{args.dtype}` on {where}, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d')}. HF = transformers generate (plain; assistant_model "
+              "for draft_model; prompt_lookup_num_tokens for ngram); each row is the median of "
+              "the repeats, alternating with transformers' runs.\n\n")
     table = header + "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes if n)
     print(table)
     if args.record:

@@ -49,6 +49,15 @@ class PackedWeight:
     def describes(self, weight: Tensor) -> bool:
         return weight.data_ptr() == self._ptr and weight._version == self._version
 
+    def __reduce__(self):
+        """Copies and pickles drop the packing (oneDNN's opaque tensor has no storage to copy):
+        a deep-copied model runs its plain parameters."""
+        return _dropped, ()
+
+
+def _dropped() -> None:
+    return None
+
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None,
            packed: PackedWeight | None = None) -> Tensor:

@@ -1,6 +1,9 @@
 """Inference layouts (infer/models/layout.py): packed and fused linears compute what the plain
 parameters do, and step aside whenever the parameters change or need gradients."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +46,18 @@ def test_packed_model_matches_plain_and_keeps_names(tied):
     assert not isinstance(model.layers[0].self_attn.q_proj, PackedLinear)
     if tied:
         assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@needs_packing
+def test_copies_and_pickles_drop_the_packing_and_still_compute():
+    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    ids = torch.randint(0, 64, (2, 5))
+    clones = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    with torch.no_grad():
+        want = model.forward_train(ids).logits
+        for clone in clones:
+            assert clone.lm_head._packed is None
+            torch.testing.assert_close(clone.forward_train(ids).logits, want)
 
 
 @needs_packing
