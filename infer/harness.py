@@ -225,6 +225,8 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
     try:
         if warmup:
             warm_up(llm, prompts, params)
+            if llm.proposer is not None:
+                llm.proposer.reset()  # the warm-up's outputs must not feed the timed drafts
         with instrument(llm) as timers:
             start = time.perf_counter()
             outs = llm.generate(prompts, params)

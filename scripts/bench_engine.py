@@ -47,6 +47,8 @@ def engine_runner(target: str, spec, prompts, max_tokens: int, batch: int, devic
 
     def run() -> dict:
         llm.metrics.__init__()
+        if llm.proposer is not None:  # every run starts alike: no drafts from an earlier run's
+            llm.proposer.reset()  # outputs of the same prompts (suffix decoding's global tree)
         with instrument(llm) as timers:  # step / verify forward / propose wall times
             start = time.perf_counter()
             outs = llm.generate(prompts, params)

@@ -118,6 +118,10 @@ class Proposer(ABC):
     def finish(self, slot: int) -> None:
         """The request in ``slot`` ended; free its state."""
 
+    def reset(self) -> None:
+        """Forget what finished requests taught (state shared across requests, e.g. suffix
+        decoding's global tree), so that timed runs of the same prompts start alike."""
+
 
 _REGISTRY: dict[str, type[Proposer]] = {}
 

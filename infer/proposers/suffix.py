@@ -275,6 +275,13 @@ class SuffixProposer(Proposer):
         if output:
             self._cache_output(output)
 
+    def reset(self) -> None:
+        """Empty the global trie; running requests keep their own tries."""
+        if self.global_trie is not None:
+            self.global_trie = SuffixTrie(self.depth)
+        self._cached.clear()
+        self._version += 1  # running requests' global cursors point into the old trie
+
     def _cache_output(self, output: list[int]) -> None:
         """Add one output to the global trie; evict the oldest beyond max_cached_requests."""
         seq_id, self._next_id = self._next_id, self._next_id + 1

@@ -342,3 +342,20 @@ def test_harness_loads_the_target_once(tiny_target, monkeypatch):
                          PROMPTS, max_tokens=4, device="cpu", warmup=False)
     assert len(report.results) == 4 and len(report.baselines) == 2
     assert len(loads) == 1
+
+
+def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
+    """The warm-up's requests leave nothing in cross-request proposer state (suffix decoding's
+    global tree) for the timed run to draft from."""
+    seen = []
+    generate = LLM.generate
+
+    def recording(self, *args, **kwargs):
+        if self.proposer is not None:
+            seen.append(len(self.proposer.global_trie.seqs))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    run_harness(tiny_target, {"methods": [{"method": "suffix"}], "ks": [2],
+                              "batch_sizes": [1]}, PROMPTS, max_tokens=4, device="cpu")
+    assert seen == [0, 0]  # warm-up, then the timed run: both from an empty global tree

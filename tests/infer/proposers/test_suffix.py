@@ -127,6 +127,22 @@ def test_eviction_really_forgets():
     assert draft(prop, 2, [60, 7, 8], 4) == [9, 10]
 
 
+def test_reset_forgets_past_outputs_but_not_running_requests():
+    prop = make_proposer(k=4, max_spec_factor=2.0)
+    serve(prop, 0, [50], [1, 2, 3, 4, 5, 6])
+    running = [7, 8, 9, 7, 8]
+    prop.start(1, [60, 1, 2])
+    prop.start(2, running)
+    assert draft(prop, 1, [60, 1, 2], 4) == [3, 4, 5, 6]
+    prop.reset()
+    assert not prop.global_trie.seqs
+    assert draft(prop, 1, [60, 1, 2], 4) == []  # its cursors into the old trie are dropped
+    assert draft(prop, 2, running, 4) == [9, 7, 8]  # its own trie stays
+    serve(prop, 0, [50], [1, 2, 3, 4])  # and the global trie fills again
+    prop.start(3, [60, 1, 2])
+    assert draft(prop, 3, [60, 1, 2], 4) == [3, 4]
+
+
 def test_zero_cached_requests_disables_global_cache():
     prop = make_proposer(k=4, max_cached_requests=0)
     assert prop.global_trie is None
