@@ -150,7 +150,7 @@ class LLM:
 
     # ---- the step --------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping at all: ~10% off a small CPU step
     def speculative_step(self) -> None:
         """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
         reqs = self._running
@@ -250,7 +250,7 @@ class LLM:
         self._running.sort(key=lambda r: r.slot)  # rows 0 .. B-1 in order read cache views
         return waiting
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> None:
         """Run prompts through the target (ragged batch) and sample each first token."""
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
