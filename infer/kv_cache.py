@@ -38,13 +38,14 @@ class CacheStep:
     write_pos: Tensor  # [B, T] cache index each new key goes to (padding -> scratch column)
     num_tokens: Tensor  # [B] valid new tokens per row
     kv_len: int  # keys attended: cache indices 0 .. kv_len-1
+    flat_index: Tensor  # [B * T * kv_heads] where each new (token, head) goes in a layer's rows
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this step's keys/values of ``layer`` and return every key/value it attends to.
 
         ``k, v``: ``[B, kv_heads, T, head_dim]``; returns two ``[B, kv_heads, kv_len, head_dim]``.
         """
-        self.cache.write(layer, self.slots, self.write_pos, k, v)
+        self.cache.write(layer, self.flat_index, k, v)
         return self.cache.read(layer, self.slots, self.kv_len, k.shape[0])
 
 
@@ -64,6 +65,9 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, kv_heads, S+1, hd]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, kv_heads, S+1, hd]
         self.lens = torch.zeros(max_batch, dtype=torch.long, device=device)  # [rows]
+        # the same storage as one vector per (row, head, position): what write() indexes
+        self._k_rows = self.k.view(num_layers, -1, head_dim)  # [L, rows * kv_heads * (S+1), hd]
+        self._v_rows = self.v.view(num_layers, -1, head_dim)
 
     @classmethod
     def for_model(cls, config, max_batch: int, max_len: int, *, dtype: torch.dtype | None = None,
@@ -98,13 +102,17 @@ class KVCache:
         positions = start[:, None] + offsets  # [B, T]
         valid = offsets[None, :] < num_tokens[:, None]  # [B, T]
         write_pos = torch.where(valid, positions, torch.full_like(positions, self.max_len))
+        rows = torch.arange(batch, device=device) if slots is None else slots  # [B]
+        heads = torch.arange(self.k.shape[2], device=device)  # [kv_heads]
+        flat_index = ((rows[:, None, None] * heads.numel() + heads) * self.capacity
+                      + write_pos[:, :, None]).flatten()  # [B, T, kv_heads] -> [B * T * kv_heads]
         if kv_len is None:
             kv_len = int((start + num_tokens).max())  # host sync, once per forward
             if kv_len > self.max_len:
                 raise ValueError(f"KVCache overflow: a row needs {kv_len} positions but the cache "
                                  f"holds max_len={self.max_len}")
             kv_len = max(kv_len, 1)
-        return CacheStep(self, slots, positions, write_pos, num_tokens, kv_len)
+        return CacheStep(self, slots, positions, write_pos, num_tokens, kv_len, flat_index)
 
     def advance(self, step: CacheStep) -> None:
         """``lens[row] += num_tokens`` for the rows of ``step`` (in place, no sync)."""
@@ -126,14 +134,13 @@ class KVCache:
 
     # ---- storage -------------------------------------------------------------------------------
 
-    def write(self, layer: int, slots: Tensor | None, write_pos: Tensor, k: Tensor,
-              v: Tensor) -> None:
-        """Scatter new ``k, v [B, kv_heads, T, hd]`` to cache indices ``write_pos [B, T]``."""
-        batch = k.shape[0]
-        rows = torch.arange(batch, device=k.device) if slots is None else slots  # [B]
-        # advanced indices [B, 1] and [B, T] around a slice -> indexed shape [B, T, kv_heads, hd]
-        self.k[layer][rows[:, None], :, write_pos] = k.transpose(1, 2)
-        self.v[layer][rows[:, None], :, write_pos] = v.transpose(1, 2)
+    def write(self, layer: int, flat_index: Tensor, k: Tensor, v: Tensor) -> None:
+        """Scatter new ``k, v [B, kv_heads, T, hd]`` to their (row, head, position) vectors,
+        ``flat_index [B * T * kv_heads]`` from :meth:`plan` (one index for every layer, and one
+        ``index_copy_`` per tensor instead of an advanced-index assignment)."""
+        hd = k.shape[-1]
+        self._k_rows[layer].index_copy_(0, flat_index, k.transpose(1, 2).reshape(-1, hd))
+        self._v_rows[layer].index_copy_(0, flat_index, v.transpose(1, 2).reshape(-1, hd))
 
     def read(self, layer: int, slots: Tensor | None, kv_len: int,
              batch: int) -> tuple[Tensor, Tensor]:
