@@ -21,6 +21,8 @@ forward that records gradients for them. CUDA weights are never packed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,9 +39,9 @@ class PackedWeight:
 
     @classmethod
     def of(cls, weight: Tensor) -> "PackedWeight | None":
-        """The packed copy, or None where oneDNN cannot take it (device, dtype, build)."""
-        if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE or weight.dim() != 2
-                or not torch.backends.mkldnn.is_available()):
+        """The packed copy, or None where oneDNN cannot take it (device, dtype, build, CPU)."""
+        if (weight.device.type != "cpu" or weight.dim() != 2
+                or not _packing_works(weight.dtype)):
             return None
         try:
             return cls(weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
@@ -57,6 +59,23 @@ class PackedWeight:
 
 def _dropped() -> None:
     return None
+
+
+@functools.cache
+def _packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run oneDNN's packed linear in ``dtype`` (bf16 needs CPU
+    support that oneDNN checks only when the op runs): one tiny probe per dtype."""
+    if dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.no_grad():
+            w = torch.linspace(-1, 1, 128).view(8, 16).to(dtype)  # no RNG: the global stream
+            x = torch.linspace(-2, 1, 32).view(2, 16).to(dtype)  # stays the caller's
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            got = torch.ops.mkldnn._linear_pointwise.default(x, packed, None, "none", [], "")
+            return bool(torch.allclose(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
+    except (AttributeError, RuntimeError):  # a torch without the ops, or a CPU oneDNN refuses
+        return False
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None,

@@ -142,3 +142,15 @@ def test_rope_rotation_is_hugging_faces_bit_for_bit():
     x1, x2 = x.chunk(2, -1)
     want = x * emb.cos() + torch.cat((-x2, x1), -1) * emb.sin()
     assert torch.equal(apply_rope(x, cos, sin), want)
+
+
+def test_unpackable_weights_stay_plain(monkeypatch):
+    """fp16, CUDA-less builds, CPUs oneDNN refuses: plain F.linear, no error."""
+    lin = torch.nn.Linear(4, 4, dtype=torch.float16)
+    pack_for_cpu_(lin)
+    assert type(lin) is torch.nn.Linear
+    monkeypatch.setattr("infer.models.layout._packing_works", lambda dtype: False)
+    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    assert type(model.lm_head) is torch.nn.Linear and model.layers[0].mlp._gate_up.packed is None
+    with torch.no_grad():
+        model.forward_train(torch.randint(0, 64, (1, 4)))
