@@ -42,8 +42,8 @@ from torch import Tensor, nn
 from infer.drafters.common import (PairDrafter, StepKV, check_names, gather_rows,
                                    hf_layer_config, read_checkpoint, share, write_checkpoint)
 from infer.kv_cache import CacheStep
-from infer.models.llama import (DecoderLayer, ModelConfig, rope_cos_sin,
-                                rope_frequencies)
+from infer.models.llama import DecoderLayer, ModelConfig
+from infer.models.rope import rope_cos_sin, rope_frequencies
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import config_error
 

@@ -4,7 +4,6 @@ from infer.models.llama import (
     Llama,
     ModelConfig,
     ModelOutput,
-    RopeConfig,
     packed_causal_mask,
     position_mask,
 )
@@ -14,6 +13,7 @@ from infer.models.loader import (
     load_config,
     load_model,
 )
+from infer.models.rope import RopeConfig
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

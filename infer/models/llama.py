@@ -22,7 +22,6 @@ agrees for ``k < N``, but its last entry (``hidden_states[N]``) is *after* the f
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,31 +30,7 @@ from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
 from infer.models.layout import FusedLinear
-
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters; unused fields keep their defaults for simpler rope types."""
-
-    theta: float = 10000.0
-    type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0  # linear, dynamic, llama3, yarn
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int | None = None  # llama3, yarn (None: the model's max)
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn cos/sin scale; None: derived from factor/mscale
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
-    truncate: bool = True  # yarn: round the correction range to whole dims
-
-    def __post_init__(self):
-        if self.type not in ROPE_TYPES:
-            raise ValueError(f"invalid value for 'rope_type': {self.type!r}; expected one of "
-                             f"{', '.join(ROPE_TYPES)}")
+from infer.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -100,80 +75,6 @@ class ModelOutput:
     aux: tuple[Tensor, ...] = ()  # one [B, T, H] per aux_layer_ids entry, in the order asked
 
 
-# ---- rotary embeddings -------------------------------------------------------------------------
-
-def rope_frequencies(cfg: ModelConfig, device=None) -> tuple[Tensor, float]:
-    """Inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin scale (1 except for yarn).
-
-    "dynamic" (NTK) rescales only beyond ``max_position_embeddings`` and then depends on the
-    current length, which a static cache cannot follow; here it is exact up to
-    ``max_position_embeddings`` (plain RoPE there, as in Hugging Face) and not rescaled beyond.
-    """
-    r, dim = cfg.rope, cfg.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (r.theta ** exponent)  # [dim / 2]
-    if r.type == "linear":
-        return inv_freq / r.factor, 1.0
-    if r.type == "llama3":
-        return _llama3_frequencies(inv_freq, r, cfg.max_position_embeddings), 1.0
-    if r.type == "yarn":
-        return _yarn_frequencies(r, dim, cfg.max_position_embeddings, device)
-    return inv_freq, 1.0
-
-
-def _llama3_frequencies(inv_freq: Tensor, r: RopeConfig, max_pos: int) -> Tensor:
-    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend in between."""
-    old_len = r.original_max_position_embeddings or max_pos
-    low_wavelen, high_wavelen = old_len / r.low_freq_factor, old_len / r.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
-    smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _yarn_frequencies(r: RopeConfig, dim: int, max_pos: int, device) -> tuple[Tensor, float]:
-    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale cos/sin."""
-    old_len = r.original_max_position_embeddings or max_pos
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attn = r.attention_factor
-    if attn is None:
-        attn = (mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
-                if r.mscale and r.mscale_all_dim else mscale(r.factor))
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(r.theta))
-
-    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
-    if r.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low))
-    extrapolate = 1 - ramp.clamp(0, 1)  # [dim / 2]: 1 = keep the original frequency
-    pos_freqs = r.theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    inv_freq = (1 / (r.factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
-    return inv_freq, float(attn)
-
-
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and *signed* sin ``[B, 1, T, head_dim]`` for ``positions [B, T]`` (fp32, then cast),
-    as :func:`apply_rope` takes them: the sin's first half is negated, which folds
-    ``rotate_half``'s negation into the table (computed once per forward, not per layer)."""
-    freqs = positions[..., None].float() * inv_freq  # [B, T, hd / 2]
-    cos, sin = freqs.cos(), freqs.sin()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [B, T, hd]
-    return cos[:, None].to(dtype), sin[:, None].to(dtype)
-
-
 def _sdpa_supports_gqa() -> bool:
     """Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5)."""
     try:
@@ -190,14 +91,6 @@ def _sdpa_supports_gqa() -> bool:
 
 _SDPA_GQA = _sdpa_supports_gqa()
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [B, heads, T, hd]`` (half-split layout, as in Hugging Face checkpoints), with
-    ``cos, sin`` from :func:`rope_cos_sin`: Hugging Face's ``x * cos + cat(-x2, x1) * sin``,
-    bit for bit, as ``x * cos + cat(x2, x1) * cat(-sin, sin)`` (one roll instead of a chunk, a
-    negation and a concatenation per layer)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def group_mask(mask: Tensor, rep: int) -> Tensor:

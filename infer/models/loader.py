@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 
 from infer.models.layout import pack_for_cpu_
-from infer.models.llama import ROPE_TYPES, Llama, ModelConfig, RopeConfig
+from infer.models.llama import Llama, ModelConfig
+from infer.models.rope import ROPE_TYPES, RopeConfig
 from infer.validation import config_error
 
 

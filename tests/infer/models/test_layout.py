@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.models.layout import FusedLinear, PackedLinear, PackedWeight, pack_for_cpu_
-from infer.models.llama import Llama, ModelConfig, apply_rope, rope_cos_sin
+from infer.models.llama import Llama, ModelConfig
 
 needs_packing = pytest.mark.skipif(PackedWeight.of(torch.zeros(2, 2)) is None,
                                    reason="this torch build cannot pack weights with oneDNN")
@@ -130,18 +130,6 @@ def test_fused_linear_concatenates_outputs_and_reports_replaced_parameters():
     lins[1].bias = torch.nn.Parameter(torch.zeros(6))
     with torch.no_grad():
         assert not fused.active()
-
-
-def test_rope_rotation_is_hugging_faces_bit_for_bit():
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-    positions = torch.arange(40).view(2, 20)
-    x = torch.randn(2, 3, 20, 16)
-    cos, sin = rope_cos_sin(inv_freq, positions, 1.0, torch.float32)
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), -1)[:, None]
-    x1, x2 = x.chunk(2, -1)
-    want = x * emb.cos() + torch.cat((-x2, x1), -1) * emb.sin()
-    assert torch.equal(apply_rope(x, cos, sin), want)
 
 
 def test_unpackable_weights_stay_plain(monkeypatch):
