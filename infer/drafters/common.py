@@ -181,8 +181,10 @@ class PairDrafter(torch.nn.Module):
         (default: every position)."""
         b, t = input_ids.shape
         step = cache.plan(b, t, slots, num_tokens, kv_len)
-        key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
-        mask = position_mask(step.positions, key_pos)  # [B, 1, T, S]
+        mask = None  # one row's one pair attends exactly its cache (Llama.forward does the same)
+        if not b == t == 1 or kv_len is not None:
+            key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
+            mask = position_mask(step.positions, key_pos)  # [B, 1, T, S]
         out = self._run(input_ids, hidden, step.positions, mask, step, logits_at)
         cache.advance(step)
         return out

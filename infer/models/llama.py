@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
-from infer.models.layout import FusedLinear
+from infer.models.layout import FusedLinear, pack_for_cpu_
 from infer.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
 
 
@@ -284,13 +284,8 @@ class Llama(nn.Module):
         self.inv_freq, self.rope_scale = rope_frequencies(self.config, device)  # [hd / 2]
 
     def fuse_projections(self) -> "Llama":
-        """Fuse q/k/v and gate/up of every layer into one weight each (see :meth:`Attention.fuse`);
-        numerics and parameter names are unchanged. :func:`~infer.models.loader.load_model` calls
-        it; a later ``load_state_dict`` / ``.to()`` silently falls back to separate projections."""
-        for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        return self
+        """:func:`fuse_projections` of this model."""
+        return fuse_projections(self)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint says so."""
@@ -399,3 +394,20 @@ class Llama(nn.Module):
             raise ValueError(f"invalid value for 'aux_layer_ids': {list(ids)}; expected ids in "
                              f"[0, {n}] (0 = embeddings, {n} = last layer before the final norm)")
         return ids
+
+
+def fuse_projections(module: nn.Module) -> nn.Module:
+    """Fuse q/k/v and gate/up of every :class:`Attention` / :class:`MLP` in ``module`` (a
+    target, an EAGLE head) into one weight each (see :meth:`Attention.fuse`); numerics and
+    parameter names are unchanged, and a later ``load_state_dict`` / ``.to()`` silently falls
+    back to separate projections. Returns ``module``."""
+    for sub in module.modules():
+        if isinstance(sub, (Attention, MLP)):
+            sub.fuse()
+    return module
+
+
+def inference_layout(module: nn.Module) -> nn.Module:
+    """Fused projections, then (on CPU) packed linear weights (:mod:`infer.models.layout`): how
+    the loader prepares a target and the proposers their drafters. Frozen weights only."""
+    return pack_for_cpu_(fuse_projections(module))

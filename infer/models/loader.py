@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from infer.models.layout import pack_for_cpu_
-from infer.models.llama import Llama, ModelConfig
+from infer.models.llama import Llama, ModelConfig, inference_layout
 from infer.models.rope import ROPE_TYPES, RopeConfig
 from infer.validation import config_error
 
@@ -241,6 +240,5 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     model.tie_weights()  # assign replaced the embedding parameter; re-share it
     model.init_buffers()
     if fuse:
-        model.fuse_projections()  # one q/k/v and one gate/up matmul per layer (names unchanged)
-        pack_for_cpu_(model)
+        inference_layout(model)  # one q/k/v and one gate/up matmul per layer; packed on CPU
     return model.requires_grad_(False).eval()

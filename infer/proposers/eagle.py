@@ -34,7 +34,7 @@ from torch import Tensor
 from infer.drafters.eagle import EagleDrafter
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
-from infer.models.layout import pack_for_cpu_
+from infer.models.llama import inference_layout
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
                                   register)
 from infer.sampling import logits_to_probs, sample_from_probs
@@ -56,7 +56,7 @@ class EagleChainProposer(Proposer):
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         super().__init__(spec, ctx)
-        self.drafter = pack_for_cpu_(self.load_drafter(spec, ctx))
+        self.drafter = inference_layout(self.load_drafter(spec, ctx))
         self.k = spec.num_speculative_tokens
         self.max_len = spec.check_against_target(ctx.max_model_len)
         # catch-up pairs of the longest sequence plus k - 1 drafted pairs

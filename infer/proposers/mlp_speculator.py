@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from infer.drafters.mlp_speculator import MLPSpeculator
-from infer.models.layout import pack_for_cpu_
+from infer.models.llama import inference_layout
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
                                   register)
 from infer.sampling import logits_to_probs, sample_from_probs
@@ -43,8 +43,8 @@ class MLPSpeculatorProposer(Proposer):
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         super().__init__(spec, ctx)
         where = f"mlp_speculator {spec.model}"
-        self.drafter = pack_for_cpu_(MLPSpeculator.from_pretrained(spec.model, dtype=ctx.dtype,
-                                                                   device=ctx.device))
+        self.drafter = inference_layout(MLPSpeculator.from_pretrained(
+            spec.model, dtype=ctx.dtype, device=ctx.device))
         cfg = self.drafter.config
         self.k = spec.num_speculative_tokens
         if self.k > cfg.n_predict:

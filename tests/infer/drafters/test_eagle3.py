@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from infer.drafters.common import StepKV
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.kv_cache import KVCache
-from infer.models.llama import Llama, ModelConfig, packed_causal_mask
+from infer.models.llama import Llama, ModelConfig, inference_layout, packed_causal_mask
 
 TARGET = ModelConfig(vocab_size=64, hidden_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
                      head_dim=8, intermediate_size=64)
@@ -204,6 +204,22 @@ def test_cached_forward_equals_full_sequence(flags):
         cache = KVCache.for_model(d.layer_config, 4, 16)
         slots = torch.tensor([2, 0, 3])
         steps = [d(ids[:, t:t + 1], g[:, t:t + 1], cache, slots) for t in range(9)]
+    assert torch.allclose(torch.cat([s[0] for s in steps], 1), full_logits, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.cat([s[1] for s in steps], 1), full_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_one_row_steps_in_the_inference_layout_equal_full_sequence():
+    """How proposers serve a head: fused and (on CPU) packed projections, one pair per step of
+    a single row (no mask)."""
+    d = make_drafter()
+    ids, aux = inputs(b=1, t=7)
+    with torch.no_grad():
+        g = d.prepare(aux)
+        full_logits, full_hidden = d.forward_train(ids, g)
+        inference_layout(d)
+        assert d.layers[0].self_attn._qkv.active() and d.layers[0].mlp._gate_up.active()
+        cache = KVCache.for_model(d.layer_config, 2, 16)
+        steps = [d(ids[:, t:t + 1], g[:, t:t + 1], cache, torch.tensor([1])) for t in range(7)]
     assert torch.allclose(torch.cat([s[0] for s in steps], 1), full_logits, atol=1e-4, rtol=1e-4)
     assert torch.allclose(torch.cat([s[1] for s in steps], 1), full_hidden, atol=1e-4, rtol=1e-4)
 
