@@ -100,7 +100,9 @@ class KVCache:
             num_tokens = torch.full((batch,), seq, dtype=torch.long, device=device)
         offsets = torch.arange(seq, device=device)  # [T]
         positions = start[:, None] + offsets  # [B, T]
-        valid = offsets[None, :] < num_tokens[:, None]  # [B, T]
+        # a position past max_len (only reachable with a caller's fixed kv_len, which skips the
+        # overflow check below) goes to the scratch column too, never into another row's keys
+        valid = (offsets[None, :] < num_tokens[:, None]) & (positions < self.max_len)  # [B, T]
         write_pos = torch.where(valid, positions, torch.full_like(positions, self.max_len))
         rows = torch.arange(batch, device=device) if slots is None else slots  # [B]
         heads = torch.arange(self.k.shape[2], device=device)  # [kv_heads]

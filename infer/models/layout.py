@@ -16,7 +16,10 @@ shared embeddings, ``state_dict``), so packed linears take twice their memory on
 A packed or fused weight is used only while it still describes the parameters: a replaced
 ``.data`` (``.to()``, ``load_state_dict(assign=True)``) or an in-place edit (``copy_``, which
 bumps the tensor's version) falls back to the plain ``F.linear`` of the parameters, as does a
-forward that records gradients for them. CUDA weights are never packed.
+forward that records gradients for them; :func:`pack_for_cpu_` packs such a linear again. One
+edit is invisible: writing through ``weight.data`` (``weight.data.copy_(...)``) bypasses the
+version counter, as it bypasses autograd; call ``pack_for_cpu_(..., repack=True)`` after it.
+CUDA weights are never packed.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ class PackedWeight:
     """oneDNN's blocked copy of a CPU weight ``[out, in]``, valid while the weight is unchanged."""
 
     def __init__(self, weight: Tensor, packed: Tensor) -> None:
-        self.tensor = packed
+        self.tensor: Tensor | None = packed
+        # an alias of the packed weight (no copy) keeps its memory from being reused, so a new
+        # weight can never show up at the same address; released once it no longer matches
+        self._source: Tensor | None = weight.detach()
         self._ptr, self._version = weight.data_ptr(), weight._version
 
     @classmethod
@@ -49,7 +55,14 @@ class PackedWeight:
             return None
 
     def describes(self, weight: Tensor) -> bool:
-        return weight.data_ptr() == self._ptr and weight._version == self._version
+        """Whether ``weight`` is still what was packed. A mismatch is final: the packed copy and
+        the old weight's memory are released."""
+        if self._source is None:
+            return False
+        if weight.data_ptr() == self._ptr and weight._version == self._version:
+            return True
+        self.tensor = self._source = None
+        return False
 
     def __reduce__(self):
         """Copies and pickles drop the packing (oneDNN's opaque tensor has no storage to copy):
@@ -107,7 +120,17 @@ class FusedLinear:
     along the output dim, each parameter re-pointed at its row block (views: no extra memory,
     in-place updates stay shared). ``__call__`` returns the concatenated outputs."""
 
+    @staticmethod
+    def can_fuse(linears: list[nn.Linear]) -> bool:
+        """One input width, one dtype and device, and biases on all or none of them."""
+        return (len({(lin.in_features, lin.weight.dtype, lin.weight.device)
+                     for lin in linears}) == 1
+                and len({lin.bias is None for lin in linears}) == 1)
+
     def __init__(self, linears: list[nn.Linear]) -> None:
+        if not self.can_fuse(linears):
+            raise ValueError("FusedLinear: the linears need one input width, dtype and device, "
+                             "and biases on all or none of them")
         self.linears = linears
         self.weight = _fuse([lin.weight for lin in linears])
         biases = [lin.bias for lin in linears]
@@ -145,22 +168,28 @@ def _fuse(params: list[Tensor]) -> Tensor:
     return torch.cat([p.detach() for p in params], dim=0)
 
 
-def pack_for_cpu_(module: nn.Module) -> nn.Module:
+def pack_for_cpu_(module: nn.Module, repack: bool = False) -> nn.Module:
     """Pack every CPU linear of ``module`` for inference, in place; returns it.
 
     Fused projections (:class:`FusedLinear` attributes of submodules, e.g. after
     :meth:`~infer.models.llama.Llama.fuse_projections`) are packed as one; their separate parts
-    are not (they only run when the fused path cannot). Other plain ``nn.Linear`` modules become
-    :class:`PackedLinear`; one already packed (an EAGLE head sharing the target's LM head) is
-    left as it is. A no-op on CUDA and wherever oneDNN cannot pack.
+    are not (they only run when the fused path cannot). Other ``nn.Linear`` modules become
+    :class:`PackedLinear`. A packing that still describes its weight is kept (an EAGLE head
+    sharing the target's LM head) unless ``repack``. A no-op on CUDA and wherever oneDNN cannot
+    pack.
     """
+    def stale(packed: PackedWeight | None, weight: Tensor) -> bool:
+        return repack or packed is None or not packed.describes(weight)
+
     fused = [v for sub in module.modules() for v in vars(sub).values()
              if isinstance(v, FusedLinear)]
     parts = {id(lin) for f in fused for lin in f.linears}
     for f in fused:
-        f.packed = PackedWeight.of(f.weight)
-    for sub in module.modules():  # a linear shared with a packed model keeps its packing
-        if type(sub) is nn.Linear and id(sub) not in parts:
+        if stale(f.packed, f.weight):
+            f.packed = PackedWeight.of(f.weight)
+    for sub in module.modules():
+        if (type(sub) in (nn.Linear, PackedLinear) and id(sub) not in parts
+                and stale(getattr(sub, "_packed", None), sub.weight)):
             packed = PackedWeight.of(sub.weight)
             if packed is not None:
                 sub.__class__ = PackedLinear

@@ -176,9 +176,9 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Back q/k/v by one fused weight so a forward runs one projection instead of three
-        (parameter names and ``state_dict`` are unchanged). Only when they share an input width."""
+        (parameter names and ``state_dict`` are unchanged), where :meth:`FusedLinear.can_fuse`."""
         lins = [self.q_proj, self.k_proj, self.v_proj]
-        if len({lin.in_features for lin in lins}) == 1:
+        if FusedLinear.can_fuse(lins):
             self._qkv = FusedLinear(lins)
 
     def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -238,7 +238,8 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Back gate/up by one fused weight (one projection per forward; same names)."""
-        self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
+        if FusedLinear.can_fuse([self.gate_proj, self.up_proj]):
+            self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: Tensor) -> Tensor:
         if self._gate_up is not None and self._gate_up.active():
@@ -399,8 +400,9 @@ class Llama(nn.Module):
 def fuse_projections(module: nn.Module) -> nn.Module:
     """Fuse q/k/v and gate/up of every :class:`Attention` / :class:`MLP` in ``module`` (a
     target, an EAGLE head) into one weight each (see :meth:`Attention.fuse`); numerics and
-    parameter names are unchanged, and a later ``load_state_dict`` / ``.to()`` silently falls
-    back to separate projections. Returns ``module``."""
+    parameter names are unchanged. An in-place ``load_state_dict`` stays fused (it writes into
+    the fused storage); one that replaces tensors (``assign=True``) or a ``.to()`` falls back to
+    separate projections. Returns ``module``."""
     for sub in module.modules():
         if isinstance(sub, (Attention, MLP)):
             sub.fuse()

@@ -40,6 +40,20 @@ def test_overflow_is_an_error():
         cache.plan(1, 2)
 
 
+def test_positions_past_the_cache_with_a_fixed_kv_len_never_reach_other_rows():
+    """A fixed kv_len skips the host overflow check; a row that overruns still only writes to
+    its scratch column, not into the next head's or row's keys."""
+    cache = make(max_len=4)
+    cache.lens[:] = 4  # every row full
+    step = cache.plan(1, 2, kv_len=cache.capacity)
+    assert step.write_pos.tolist() == [[4, 4]]
+    before = cache.k.clone()
+    step.update(0, torch.ones(1, cache.k.shape[2], 2, cache.k.shape[-1]),
+                torch.ones(1, cache.k.shape[2], 2, cache.k.shape[-1]))
+    changed = (cache.k != before).any(dim=-1)  # [L, rows, kv_heads, S + 1]
+    assert changed[:, :, :, :4].sum() == 0 and changed[0, 0, :, 4].all()
+
+
 def test_write_read_with_slots_and_contiguous_rows():
     cache = make()
     cache.lens[:] = torch.tensor([1, 0, 3, 0])

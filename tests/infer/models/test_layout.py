@@ -105,6 +105,37 @@ def test_gradients_flow_through_the_plain_parameters():
 
 
 @needs_packing
+def test_a_weight_replaced_at_a_recycled_address_is_not_mistaken_for_the_packed_one():
+    """The packing holds the packed weight's memory, so a replacement never reuses its address
+    (and version 0 again); after a mismatch the packing is released, and repacking restores
+    it. Writes through ``.data`` are invisible to the version counter: ``repack=True``."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for _ in range(20):  # several reloads between forwards: freed addresses get reused
+            lin = torch.nn.Linear(64, 64, bias=False)
+            lin.load_state_dict({"weight": torch.randn(64, 64)}, assign=True)
+            pack_for_cpu_(lin)
+            for _ in range(4):
+                lin.load_state_dict({"weight": torch.randn(64, 64)}, assign=True)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+        assert lin._packed.tensor is None  # the stale packing was dropped
+        pack_for_cpu_(lin)
+        assert uses_packed(lin)
+        lin.weight.data.copy_(torch.randn(64, 64))
+        pack_for_cpu_(lin, repack=True)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+
+
+def test_linears_with_mixed_biases_are_not_fused():
+    lins = [torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4)]
+    assert not FusedLinear.can_fuse(lins)
+    with pytest.raises(ValueError, match="biases"):
+        FusedLinear(lins)
+
+
+@pytest.mark.skipif(PackedWeight.of(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
+                    reason="this CPU or build cannot run oneDNN's bf16 linear")
 def test_bfloat16_packing_matches_plain_linear():
     weight, bias = torch.randn(24, 16).bfloat16(), torch.randn(24).bfloat16()
     lin = torch.nn.Linear(16, 24, dtype=torch.bfloat16)
