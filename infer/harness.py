@@ -210,12 +210,15 @@ class _Run:
 
 def warm_up(llm: LLM, prompts: list, params: SamplingParams) -> None:
     """Keep first-call costs out of a timed run: a 2-token request (allocations barely touch the
-    caches), or on CUDA the whole run once, so every CUDA graph it needs is captured first."""
+    caches), or on CUDA the whole run once, so every CUDA graph it needs is captured first. The
+    warm-up's outputs are then forgotten (``Proposer.reset``), so they feed no timed draft."""
     if llm.static_forward is not None:
         llm.generate(prompts, params)
     else:
         llm.generate(prompts[:1], SamplingParams(temperature=params.temperature, max_tokens=2,
                                                  ignore_eos=True))
+    if llm.proposer is not None:
+        llm.proposer.reset()
 
 
 def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params: SamplingParams,
@@ -225,8 +228,6 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
     try:
         if warmup:
             warm_up(llm, prompts, params)
-            if llm.proposer is not None:
-                llm.proposer.reset()  # the warm-up's outputs must not feed the timed drafts
         with instrument(llm) as timers:
             start = time.perf_counter()
             outs = llm.generate(prompts, params)

@@ -39,6 +39,7 @@ class CacheStep:
     num_tokens: Tensor  # [B] valid new tokens per row
     kv_len: int  # keys attended: cache indices 0 .. kv_len-1
     flat_index: Tensor  # [B * T * kv_heads] where each new (token, head) goes in a layer's rows
+    exact: bool  # kv_len is max(lens + num_tokens) (read on the host), not a caller's fixed size
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this step's keys/values of ``layer`` and return every key/value it attends to.
@@ -108,13 +109,15 @@ class KVCache:
         heads = torch.arange(self.k.shape[2], device=device)  # [kv_heads]
         flat_index = ((rows[:, None, None] * heads.numel() + heads) * self.capacity
                       + write_pos[:, :, None]).flatten()  # [B, T, kv_heads] -> [B * T * kv_heads]
-        if kv_len is None:
+        exact = kv_len is None
+        if exact:
             kv_len = int((start + num_tokens).max())  # host sync, once per forward
             if kv_len > self.max_len:
                 raise ValueError(f"KVCache overflow: a row needs {kv_len} positions but the cache "
                                  f"holds max_len={self.max_len}")
             kv_len = max(kv_len, 1)
-        return CacheStep(self, slots, positions, write_pos, num_tokens, kv_len, flat_index)
+        return CacheStep(self, slots, positions, write_pos, num_tokens, kv_len, flat_index,
+                         exact)
 
     def advance(self, step: CacheStep) -> None:
         """``lens[row] += num_tokens`` for the rows of ``step`` (in place, no sync)."""

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from infer.models.llama import ModelConfig, position_mask
+from infer.models.llama import ModelConfig, cache_mask
 from infer.models.loader import resolve_model_dir, weight_files
 
 CONFIG_NAME = "config.json"
@@ -181,11 +181,7 @@ class PairDrafter(torch.nn.Module):
         (default: every position)."""
         b, t = input_ids.shape
         step = cache.plan(b, t, slots, num_tokens, kv_len)
-        mask = None  # one row's one pair attends exactly its cache (Llama.forward does the same)
-        if not b == t == 1 or kv_len is not None:
-            key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
-            mask = position_mask(step.positions, key_pos)  # [B, 1, T, S]
-        out = self._run(input_ids, hidden, step.positions, mask, step, logits_at)
+        out = self._run(input_ids, hidden, step.positions, cache_mask(step), step, logits_at)
         cache.advance(step)
         return out
 

@@ -151,9 +151,8 @@ class FusedLinear:
         them or their ``.data``) and no gradient is recorded for them: else run the separate
         linears. Called per forward, so it only compares addresses."""
         params = self._params()
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return False
-        return all(p.data_ptr() == ptr for p, ptr in zip(params, self._ptrs))
+        return not _records_grad(*params) and all(
+            p.data_ptr() == ptr for p, ptr in zip(params, self._ptrs))
 
     def __call__(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias, self.packed)

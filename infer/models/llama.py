@@ -129,6 +129,16 @@ def position_mask(q_pos: Tensor, k_pos: Tensor, window: int | None = None) -> Te
     return mask
 
 
+def cache_mask(step: CacheStep, window: int | None = None) -> Tensor | None:
+    """The :func:`position_mask` of a cached step, or None where it needs none: one row, one
+    query, and keys read up to exactly that row's length (no fixed ``kv_len``, no window), so
+    the query attends every key (:class:`Attention` reads None with ``T == 1`` so)."""
+    if step.exact and step.positions.shape == (1, 1) and window is None:
+        return None
+    key_pos = torch.arange(step.kv_len, device=step.positions.device)  # [S]
+    return position_mask(step.positions, key_pos, window)  # [B, 1, T, S]
+
+
 def packed_causal_mask(doc_ids: Tensor) -> Tensor:
     """Block-diagonal causal mask ``[B, 1, T, T]`` for packed documents ``doc_ids [B, T]``."""
     t = doc_ids.shape[-1]
@@ -194,7 +204,7 @@ class Attention(nn.Module):
                 step: CacheStep | None = None) -> Tensor:
         """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` None: causal over ``x`` alone, or, for one
         query (``T == 1``), every key (a cached decode step of one row attends its whole cache
-        and needs no mask: :meth:`Llama.forward` passes none then)."""
+        and needs no mask: see :func:`cache_mask`)."""
         b, t, _ = x.shape
         causal = mask is None and t > 1
         qk, v = self._project_qkv(x)  # [B, T, (heads + kv_heads) * hd], [B, T, kv_heads * hd]
@@ -308,11 +318,7 @@ class Llama(nn.Module):
         """
         b, t = input_ids.shape
         step = cache.plan(b, t, slots, num_tokens, kv_len)
-        if b == t == 1 and kv_len is None and not self.config.sliding_layers:
-            masks = [None] * self.config.num_layers  # one query over exactly its row's keys
-        else:
-            key_pos = torch.arange(step.kv_len, device=input_ids.device)  # [S]
-            masks = self._layer_masks(lambda w: position_mask(step.positions, key_pos, w))
+        masks = self._layer_masks(lambda w: cache_mask(step, w))
         out = self._run(input_ids, step.positions, masks, step, aux_layer_ids, logits_at)
         cache.advance(step)
         return out
