@@ -4,7 +4,7 @@ With no ``model`` it uses the embedded tiny target (built on first use) on held-
 prompts, drafting with the default recipe's trained EAGLE-3 head (outputs/tiny_eagle3/final)
 when ``python train.py`` has produced it, else with the tiny draft LM, unless
 ``speculative_config`` says otherwise.
-``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/harness.py).
+``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/eval/harness.py).
 """
 
 from pathlib import Path
@@ -22,8 +22,8 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
     """The embedded default: tiny target, held-out code prompts, and the default recipe's
     trained head (``python train.py`` -> outputs/tiny_eagle3/final) when it exists, else the
     tiny draft model (k=3)."""
-    from train.tiny_target_build import ensure_tiny_target
-    from train.tiny_target import default_draft_dir
+    from train.tiny.build import ensure_tiny_target
+    from train.tiny.corpus import default_draft_dir
 
     from infer.cli import with_default_draft, with_default_head
 
@@ -38,7 +38,7 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
     cfg.eval.methods = with_default_head(with_default_draft(cfg.eval.methods, draft), head)
     if cfg.mode == "eval" and cfg.eval.dataset:
         return target, None
-    from train.data import heldout_prompts
+    from train.tiny.examples import heldout_prompts
 
     n = cfg.eval.num_prompts if cfg.mode == "eval" else cfg.num_prompts
     return target, heldout_prompts(n, seed=cfg.seed)

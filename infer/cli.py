@@ -6,55 +6,35 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from infer.config import InferConfig
+from infer.atomic import write_text
+from infer.config import InferConfig, Mode
+from infer.data_sources import FILE_BUILDERS
 from infer.engine import LLM
 from infer.sampling import SamplingParams
-from infer.validation import config_error
-
-MODES = ("generate", "eval")
+from infer.validation import check_choice
 
 
-def check_mode(cfg: InferConfig) -> str:
-    if cfg.mode not in MODES:
-        raise config_error("mode", cfg.mode, f"one of {', '.join(MODES)}", "infer.py")
-    return cfg.mode
+def check_mode(cfg: InferConfig) -> Mode:
+    return check_choice("mode", cfg.mode, Mode, "infer.py")
 
 
 def read_prompts(path: str) -> list[Any]:
-    """Text lines (one prompt each) or jsonl with ``prompt`` or ``prompt_token_ids``."""
+    """A prompt set (jsonl / json / csv / parquet / arrow: ``prompt``, ``prompt_token_ids`` or
+    any record ``infer.eval.prompt_sets`` knows, as plain text), or text lines, one prompt each
+    (``\\n`` in a line stands for a newline)."""
+    from infer.eval.prompt_sets import load_prompts
+
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"prompts_file={path!r} does not exist")
+    if p.suffix in FILE_BUILDERS:
+        return load_prompts(str(p), chat=False)
     lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    if p.suffix not in (".jsonl", ".json"):
-        return [ln.replace("\\n", "\n") for ln in lines]
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict) or not ({"prompt", "prompt_token_ids"} & obj.keys()):
-            raise ValueError(f"{path}:{n}: expected an object with 'prompt' or "
-                             "'prompt_token_ids'")
-        prompts.append(obj.get("prompt_token_ids", obj.get("prompt")))
-    return prompts
-
-
-def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
-    """Write to a temp file beside ``path`` and rename, so readers never see half a file."""
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-    with os.fdopen(fd, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, dest)
+    return [ln.replace("\\n", "\n") for ln in lines]
 
 
 def metrics_table(metrics: dict, tok_s: float, k: int) -> str:
@@ -92,7 +72,7 @@ def run(cfg: InferConfig, model: str, prompts: list[Any]) -> list[dict]:
     print(f"\nspeculative_config: {spec}")
     print(metrics_table(llm.get_metrics(), generated / max(elapsed, 1e-9), llm.k))
     if cfg.output:
-        write_jsonl_atomic(cfg.output, rows)
+        write_text(cfg.output, "".join(json.dumps(row) + "\n" for row in rows))
         print(f"wrote {len(rows)} results to {cfg.output}")
     return rows
 
@@ -121,7 +101,7 @@ def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> lis
     """``eval.dataset`` (chat template where a record is chat-style), else the prompts the entry
     point passed (the held-out code prompts: plain strings, each sent as one user message through
     the chat template unless ``eval.chat=false``). Token-id prompts pass through."""
-    from infer.harness import load_prompts, render_prompt
+    from infer.eval.prompt_sets import load_prompts, render_prompt
 
     ev = cfg.eval
     tokenizer = None
@@ -144,8 +124,8 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
     """The acceptance harness over ``cfg.eval``; prints the markdown report, returns it."""
     from dataclasses import asdict
 
-    from infer.harness import expand_matrix, run_harness
-    from infer.harness_report import render_markdown
+    from infer.eval.harness import expand_matrix, run_harness
+    from infer.eval.report import render_markdown
     from infer.tracking import make_logger
 
     ev = cfg.eval

@@ -1,11 +1,11 @@
-"""Typed config of ``python infer.py`` (registered in Hydra's ConfigStore as ``infer_schema``).
+"""Typed config of ``python infer.py`` (registered in Hydra's ConfigStore as ``infer_schema``), and
+the acceptance harness's ``EvalConfig``, which ``train.py`` uses too.
 
 ``speculative_config`` is a nested mapping or a JSON string, validated by SpeculativeConfig;
 ``sampling`` holds SamplingParams keys, validated by SamplingParams.from_dict. Both therefore
-fail with the key named, like the structured fields here.
-
-``mode``: ``generate`` (default) or ``eval``: the acceptance harness (infer/harness.py) over the
-``eval`` matrix, e.g. ``python infer.py mode=eval eval.ks=[1,3,5] eval.logger=wandb``.
+fail with the key named, like the structured fields here. Fields with a fixed set of values are
+``StrChoice`` enums, so Hydra rejects a bad value at compose time and lists the allowed ones.
+Every field's docstring is what ``python infer.py --help`` prints (``infer/config_docs.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,26 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from infer.config_docs import register_help_resolver
+from infer.validation import StrChoice
+
+
+class Mode(StrChoice):
+    generate = "generate"
+    eval = "eval"
+
+
+class LoggerKind(StrChoice):
+    wandb = "wandb"
+    none = "none"
+
+
+class Dtype(StrChoice):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
 
 def _default_methods() -> List[Any]:
     # draft_model without a model: the embedded tiny draft when running the embedded default
@@ -23,47 +43,83 @@ def _default_methods() -> List[Any]:
 
 @dataclass
 class EvalConfig:
-    """``mode=eval``: methods x ks x temperatures x batch_sizes over a prompt set."""
+    """The acceptance harness (infer/eval/harness.py): methods x ks x temperatures x batch_sizes
+    over a prompt set, for ``infer.py mode=eval`` and after ``train.py``'s training."""
 
-    methods: List[Any] = field(default_factory=_default_methods)  # speculative_config mappings
-    # without num_speculative_tokens; optional "name" labels a method in reports
+    enabled: bool = True
+    """train.py: evaluate the trained drafter after training (infer.py mode=eval ignores it)."""
+    methods: List[Any] = field(default_factory=_default_methods)
+    """speculative_config mappings without num_speculative_tokens; an optional "name" labels one
+    in reports. train.py runs them beside the trained drafter."""
     ks: List[int] = field(default_factory=lambda: [1, 3, 5])
+    """num_speculative_tokens values to measure."""
     temperatures: List[float] = field(default_factory=lambda: [0.0])
+    """Sampling temperatures to measure (0: greedy, checked lossless)."""
     batch_sizes: List[int] = field(default_factory=lambda: [1])
+    """Engine batch sizes (max_num_seqs) to measure."""
     max_tokens: int = 64
+    """Tokens generated per prompt."""
     num_prompts: int = 8
-    dataset: Optional[str] = None  # json/jsonl/csv/parquet file, dataset dir or hub id;
-    # None: the held-out code prompts (embedded default)
+    """Prompts taken from the prompt set."""
+    dataset: Optional[str] = None
+    """json/jsonl/csv/parquet file, dataset folder or hub id; None: the held-out code prompts."""
     dataset_split: str = "test"
+    """Split of a dataset folder or hub dataset."""
     dataset_subset: Optional[str] = None
-    chat: Optional[bool] = None  # chat template: None = for chat-style records only
+    """Subset (config name) of a hub dataset."""
+    chat: Optional[bool] = None
+    """Chat template: None = for chat-style records only, true = for every prompt."""
     ignore_eos: bool = False
+    """Generate max_tokens per prompt even past EOS."""
     warmup: bool = True
-    output_dir: Optional[str] = None  # None: outputs/eval/<timestamp>
-    logger: str = "none"  # none | wandb
+    """Untimed warm-up before each timed run (on CUDA: the whole run, to capture graphs)."""
+    output_dir: Optional[str] = None
+    """infer.py: None = outputs/eval/<timestamp>; train.py writes <run_dir>/eval."""
+    logger: LoggerKind = LoggerKind.none
+    """infer.py mode=eval: wandb or none (train.py logs through its own logger section)."""
     wandb_project: str = "draftsmith"
+    """W&B project of infer.py mode=eval."""
     wandb_run_name: Optional[str] = None
+    """W&B run name of infer.py mode=eval."""
 
 
 @dataclass
 class InferConfig:
-    mode: str = "generate"  # generate | eval
-    model: Optional[str] = None  # None: the embedded tiny target (built if missing)
+    """Top-level config of ``python infer.py``."""
+
+    mode: Mode = Mode.generate
+    """generate: outputs and metrics for prompts; eval: the acceptance harness (eval.*)."""
+    model: Optional[str] = None
+    """Target model directory or hub id; None: the embedded tiny target (built if missing)."""
     tokenizer: Optional[str] = None
-    speculative_config: Any = None  # mapping or JSON string (vLLM schema); None: none
+    """Tokenizer directory; None: the model's."""
+    speculative_config: Any = None
+    """vLLM's speculative_config as a mapping or JSON string; None: no speculation."""
     sampling: Dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0,
                                                               "max_tokens": 64})
-    prompts_file: Optional[str] = None  # text lines or jsonl ("prompt" / "prompt_token_ids")
-    num_prompts: int = 4  # held-out code prompts when no prompts_file is given
-    output: Optional[str] = None  # jsonl of results
-    dtype: str = "auto"
+    """SamplingParams keys (vLLM names) for every prompt."""
+    prompts_file: Optional[str] = None
+    """Text lines (one prompt each, \\n escapes) or a prompt set (jsonl / json / csv / parquet)."""
+    num_prompts: int = 4
+    """Held-out code prompts used when no prompts_file is given."""
+    output: Optional[str] = None
+    """jsonl file for the results (written atomically)."""
+    dtype: Dtype = Dtype.auto
+    """Weights dtype: auto = the checkpoint's on CUDA, float32 on CPU."""
     device: str = "auto"
+    """auto, cpu, cuda or cuda:N."""
     max_model_len: Optional[int] = None
+    """Context length (prompt + output); None: the model's, at most 4096."""
     max_num_seqs: int = 8
+    """Requests decoded together (continuous batching)."""
     seed: int = 0
+    """Engine seed for sampled requests without their own."""
     show_outputs: bool = True
+    """Print each prompt's tail and its completion."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """mode=eval: the harness matrix."""
 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="infer_schema", node=InferConfig)
+    register_help_resolver("infer", InferConfig)

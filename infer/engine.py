@@ -13,9 +13,8 @@ waiting ones are prefilled into free slots before the next step.
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-from typing import Any, Sequence
+from contextlib import nullcontext
+from typing import Any, ContextManager, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -23,72 +22,79 @@ from tqdm.auto import tqdm
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.metrics import SpecMetrics
-from infer.models.loader import load_model
-from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
-                                  get_proposer_class)
+from infer.models.output import FeatureSpec, ModelOutput
+from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
+                                  VerifiedStep)
 from infer.rejection import greedy_verify, rejection_sample
-from infer.request import CompletionOutput, Request, RequestOutput, prefill_groups
+from infer.request import Request, RequestOutput, make_requests, prefill_groups, request_output
 from infer.sampling import BatchGenerator, Generator, SamplingParams
 from infer.spec_config import SpeculativeConfig
+from infer.target import Target
+from infer.timing import EngineTimers, Timer
 from infer.validation import check_float, check_int, config_error
 
-log = logging.getLogger(__name__)
 _WHERE = "LLM"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# what LLM.with_config forks share: the loaded target and what comes with it
-_SHARED = ("device", "target", "max_model_len", "enforce_eager", "gpu_memory_utilization",
-           "tokenizer", "eos_ids")
 
 
 class LLM:
     """Offline generation engine (single device, tensor parallel size 1).
 
-    dtype "auto": the checkpoint's dtype on CUDA, float32 on CPU (bf16 matmuls are slow there).
+    ``model``: a model directory (loaded here: dtype "auto" is the checkpoint's dtype on CUDA,
+    float32 on CPU, where bf16 matmuls are slow) or an already loaded :class:`Target`, which is
+    shared, not copied (then dtype / device / max_model_len / tokenizer were fixed when it was
+    loaded). ``timers``: set an :class:`~infer.timing.EngineTimers` to have every step timed.
     """
 
-    def __init__(self, model: str, speculative_config: Any = None, *, dtype: str = "auto",
-                 device: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 8,
-                 seed: int = 0, enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int = 1, tokenizer: str | None = None) -> None:
-        _check_engine_args(dtype, device, max_model_len, max_num_seqs, seed,
-                           gpu_memory_utilization, tensor_parallel_size)
-        self.device = _resolve_device(device)
+    def __init__(self, model: str | Target, speculative_config: Any = None, *,
+                 dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 8, seed: int = 0, enforce_eager: bool = False,
+                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+                 tokenizer: str | None = None) -> None:
+        _check_engine_args(max_model_len, max_num_seqs, seed, gpu_memory_utilization,
+                           tensor_parallel_size)
         self.spec = SpeculativeConfig.parse(speculative_config)
-        self.target = load_model(model, dtype=_resolve_dtype(dtype, self.device),
-                                 device=self.device)
-        cfg = self.target.config
-        self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise config_error("max_model_len", max_model_len,
-                               f"<= the model's max_position_embeddings "
-                               f"({cfg.max_position_embeddings})", _WHERE)
-        self.enforce_eager = enforce_eager
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.tokenizer = _load_tokenizer(tokenizer or model)
-        self.eos_ids = frozenset(cfg.eos_token_ids) | _tokenizer_eos(self.tokenizer)
-        self._configure(max_num_seqs, seed)
-
-    def _configure(self, max_num_seqs: int, seed: int) -> None:
-        """Everything that depends on the speculative config, batch size and seed (``self.spec``
-        is set): KV cache, generator, proposer, metrics; the target is left as it is."""
+        if isinstance(model, Target):
+            _check_loaded(dtype, device, max_model_len, tokenizer)
+            self.target = model
+        else:
+            self.target = Target.load(model, dtype=dtype, device=device,
+                                      max_model_len=max_model_len, tokenizer=tokenizer)
         self.max_num_seqs, self.seed = max_num_seqs, seed
-        dtype = next(self.target.parameters()).dtype
-        self._check_memory(kv_cache_bytes(self.target.config, max_num_seqs, self.max_model_len,
-                                          dtype))
-        self.cache = KVCache.for_model(self.target.config, max_num_seqs, self.max_model_len,
-                                       dtype=dtype, device=self.device)
+        self.enforce_eager, self.gpu_memory_utilization = enforce_eager, gpu_memory_utilization
+        self.timers: EngineTimers | None = None
+        dtype_ = self.target.dtype
+        cfg = self.target.model.config
+        self._check_memory(kv_cache_bytes(cfg, max_num_seqs, self.max_model_len, dtype_))
+        self.cache = KVCache.for_model(cfg, max_num_seqs, self.max_model_len, dtype=dtype_,
+                                       device=self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.proposer = self._make_proposer(dtype)
+        self.proposer = self._make_proposer()
         self._check_memory()  # the proposer's weights and caches are allocated now
-        # target residual streams the proposer reads (EAGLE heads); none for the others
-        self._aux_ids = self.proposer.aux_layer_ids if self.proposer else ()
+        # what the proposer reads from the target's forwards (EAGLE heads: aux streams)
+        self.features = self.proposer.feature_spec() if self.proposer else FeatureSpec()
         # steps in fixed shapes, captured as CUDA graphs; None: the plain forward (CPU, eager)
         self.static_forward = None
         if self._static_steps:
-            self.static_forward = StaticForward(self.target, self.cache,
-                                                aux_layer_ids=self._aux_ids)
+            self.static_forward = StaticForward(self.target.model, self.cache,
+                                                aux_layer_ids=self.features.aux_layer_ids)
         self.metrics = SpecMetrics()
         self._running: list[Request] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.target.eos_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.target.max_model_len
 
     def _check_memory(self, cache_bytes: int = 0) -> None:
         """On CUDA: what is allocated plus ``cache_bytes`` must fit gpu_memory_utilization."""
@@ -100,25 +106,22 @@ class LLM:
 
     def with_config(self, speculative_config: Any = None, *, max_num_seqs: int | None = None,
                     seed: int | None = None) -> "LLM":
-        """A new engine on this one's loaded target and tokenizer (nothing is reloaded), with
-        another speculative config, batch size or seed (None: this engine's): how the harness
-        runs a matrix of configurations. The two share the target (read-only) and nothing
-        else."""
+        """A new engine on this one's loaded target (nothing is reloaded), with another
+        speculative config, batch size or seed (None: this engine's): how the harness runs a
+        matrix of configurations. The two share the target (read-only) and nothing else."""
         check_int("max_num_seqs", max_num_seqs, _WHERE, minimum=1, optional=True)
         check_int("seed", seed, _WHERE, optional=True)
-        other = object.__new__(LLM)
-        for name in _SHARED:
-            setattr(other, name, getattr(self, name))
-        other.spec = SpeculativeConfig.parse(speculative_config)
-        other._configure(max_num_seqs or self.max_num_seqs, self.seed if seed is None else seed)
-        return other
+        return LLM(self.target, speculative_config,
+                   max_num_seqs=max_num_seqs or self.max_num_seqs,
+                   seed=self.seed if seed is None else seed, enforce_eager=self.enforce_eager,
+                   gpu_memory_utilization=self.gpu_memory_utilization)
 
     # ---- public API ------------------------------------------------------------------------------
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``)."""
-        requests = self._make_requests(prompts, sampling_params)
+        requests = make_requests(prompts, sampling_params, self.target)
         waiting = [r for r in requests if not r.finished]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
         bar.update(len(requests) - len(waiting))
@@ -132,10 +135,10 @@ class LLM:
                 self.speculative_step()
             bar.update(self._retire())
         bar.close()
-        return [self._output(r) for r in requests]
+        return [request_output(r, self.target) for r in requests]
 
     def get_metrics(self) -> dict:
-        """Cumulative speculative metrics over every ``generate`` call (REFERENCE section 3)."""
+        """Cumulative speculative metrics over every ``generate`` call (``infer/metrics.py``)."""
         return self.metrics.as_dict()
 
     @property
@@ -153,49 +156,56 @@ class LLM:
     @torch.inference_mode()  # no autograd bookkeeping at all: ~10% off a small CPU step
     def speculative_step(self) -> None:
         """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
-        reqs = self._running
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
-        pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
-        # host -> device copies above, before the proposer queues GPU work they would wait for
-        temperature, top_k, top_p = self._sampling_tensors(reqs)
-        generator = self._generator(reqs)
-        proposal = self._propose(reqs, temperature, top_k, top_p, generator)
-        draft_ids = proposal.draft_ids  # [B, k], -1 padded
-        num_drafted = (draft_ids >= 0).sum(dim=1)  # [B]
-        inputs = torch.cat([pending[:, None], draft_ids.clamp_min(0)], dim=1)  # [B, k + 1]
-        out = self._verify(inputs, reqs, slots, 1 + num_drafted)
+        with _measure(self.timers and self.timers.step):
+            reqs = self._running
+            slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+            pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
+            # host -> device copies above, before the proposer queues GPU work they would wait for
+            temperature, top_k, top_p = self._sampling_tensors(reqs)
+            generator = self._generator(reqs)
+            proposal = self._propose(reqs, temperature, top_k, top_p, generator)
+            num_drafted = (proposal.draft_ids >= 0).sum(dim=1)  # [B]
+            inputs = torch.cat([pending[:, None], proposal.draft_ids.clamp_min(0)],
+                               dim=1)  # [B, k + 1]
+            out = self._verify(inputs, reqs, slots, 1 + num_drafted)
+            method = self.spec.rejection_sample_method if self.spec else "strict"
+            tokens = self._sample(out, reqs, proposal, method, temperature, top_k, top_p,
+                                  generator)
+            rows, drafted = tokens.tolist(), num_drafted.tolist()  # the step's one host sync
+            accepted = [sum(t >= 0 for t in row) - 1 for row in rows]
+            new_lens = [len(r.tokens) + a for r, a in zip(reqs, accepted)]  # pending + accepted
+            self.cache.truncate(slots, torch.tensor(new_lens, device=self.device))
+            new_tokens = [self._accept(r, row[: a + 1], n, a)
+                          for r, row, n, a in zip(reqs, rows, drafted, accepted)]
+            if self.proposer is not None:
+                self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted, new_tokens,
+                                                   out))
+
+    def _sample(self, out: ModelOutput, reqs: list[Request], proposal: Proposal, method: str,
+                temperature, top_k, top_p, generator: Generator) -> torch.Tensor:
+        """The rejection sampler over the step's logits: ``[B, k + 1]`` emitted tokens, -1
+        padded (all-greedy batches take the argmax path, which returns the same)."""
         logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
-        method = self.spec.rejection_sample_method if self.spec else "strict"
         if _all_greedy(temperature) and method != "synthetic":
-            tokens = greedy_verify(logits, draft_ids)  # what rejection_sample returns here
-        else:
-            tokens = rejection_sample(
-                logits, draft_ids, proposal.draft_probs, temperature=temperature,
-                method=method, top_k=top_k, top_p=top_p, generator=generator,
-                synthetic_acceptance_rate=(self.spec.synthetic_acceptance_rate if self.spec
-                                           else None),
-            )  # [B, k + 1]
-        rows, drafted = tokens.tolist(), num_drafted.tolist()  # the step's one host sync
-        accepted = [sum(t >= 0 for t in row) - 1 for row in rows]
-        new_lens = [len(r.tokens) + a for r, a in zip(reqs, accepted)]  # pending + accepted
-        self.cache.truncate(slots, torch.tensor(new_lens, device=self.device))
-        new_tokens = [self._accept(r, row[: a + 1], n, a)
-                      for r, row, n, a in zip(reqs, rows, drafted, accepted)]
-        if self.proposer is not None:
-            self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted, new_tokens,
-                                               {"target_output": out}))
+            return greedy_verify(logits, proposal.draft_ids)
+        return rejection_sample(
+            logits, proposal.draft_ids, proposal.draft_probs, temperature=temperature,
+            method=method, top_k=top_k, top_p=top_p, generator=generator,
+            synthetic_acceptance_rate=(self.spec.synthetic_acceptance_rate
+                                       if method == "synthetic" else None))
 
     def _verify(self, inputs: torch.Tensor, reqs: list[Request], slots: torch.Tensor,
-                num_tokens: torch.Tensor):
+                num_tokens: torch.Tensor) -> ModelOutput:
         """The step's one target forward over ``inputs [B, k + 1]`` (``num_tokens [B]`` real)."""
-        if self.static_forward is not None:
-            longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
-            return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
-                                       num_tokens=num_tokens, max_len=longest)
-        # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's keys
-        target_slots = None if _in_order([r.slot for r in reqs]) else slots
-        return self.target(inputs, self.cache, target_slots, num_tokens=num_tokens,
-                           aux_layer_ids=self._aux_ids)
+        with _measure(self.timers and self.timers.verify, rows=inputs.shape[0]):
+            if self.static_forward is not None:
+                longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
+                return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
+                                           num_tokens=num_tokens, max_len=longest)
+            # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's
+            target_slots = None if _in_order([r.slot for r in reqs]) else slots  # keys
+            return self.target.model(inputs, self.cache, target_slots, num_tokens=num_tokens,
+                                     aux_layer_ids=self.features.aux_layer_ids)
 
     def _accept(self, req: Request, emitted: list[int], drafted: int, accepted: int) -> list[int]:
         """Append a request's emitted tokens (stop-aware) and record its metrics."""
@@ -216,7 +226,8 @@ class LLM:
                            top_k=top_k, top_p=top_p, generator=generator)
         limits = torch.tensor([r.draft_limit(self.k, self.max_model_len) for r in reqs],
                               device=self.device)  # [B], copied before the drafts are queued
-        proposal = self.proposer.propose(batch)
+        with _measure(self.timers and self.timers.draft):
+            proposal = self.proposer.propose(batch)
         over = torch.arange(self.k, device=self.device)[None, :] >= limits[:, None]  # [B, k]
         proposal.draft_ids = proposal.draft_ids.masked_fill(over, -1)
         return proposal
@@ -256,33 +267,33 @@ class LLM:
     @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> None:
         """Run prompts through the target (ragged batch) and sample each first token."""
+        with _measure(self.timers and self.timers.prefill):
+            lens = [len(r.prompt_ids) for r in reqs]
+            out = self._prefill_forward(reqs, lens)  # logits [B, 1, vocab]
+            temperature, top_k, top_p = self._sampling_tensors(reqs)
+            empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
+            first = self._sample(out, reqs, Proposal(empty), "strict", temperature, top_k, top_p,
+                                 self._generator(reqs))[:, 0].tolist()  # no drafts: p itself
+            for req, tok in zip(reqs, first):
+                req.append([tok], self.eos_ids, self.max_model_len)
+                if self.proposer is not None:
+                    self.proposer.start(req.slot, req.prompt_ids)
+                self._running.append(req)
+            if self.proposer is not None:
+                self.proposer.prefilled([r.slot for r in reqs], lens, out)
+
+    def _prefill_forward(self, reqs: list[Request], lens: list[int]) -> ModelOutput:
+        """The prompts as one right-padded ragged forward into freshly reset cache rows."""
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         self.cache.reset(slots)
         target_slots = None if _in_order([r.slot for r in reqs]) else slots
-        lens = [len(r.prompt_ids) for r in reqs]
         ids = torch.zeros(len(reqs), max(lens), dtype=torch.long)
         for i, r in enumerate(reqs):
             ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
         lens_t = torch.tensor(lens, device=self.device)
-        out = self.target(ids.to(self.device), self.cache, target_slots, num_tokens=lens_t,
-                          logits_at=(lens_t - 1)[:, None],
-                          aux_layer_ids=self._aux_ids)  # logits [B, 1, vocab]
-        temperature, top_k, top_p = self._sampling_tensors(reqs)
-        logits = self._suppress_early_eos(out.logits, reqs)
-        empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
-        if _all_greedy(temperature):
-            first = greedy_verify(logits, empty)[:, 0].tolist()
-        else:
-            first = rejection_sample(logits, empty, temperature=temperature, top_k=top_k,
-                                     top_p=top_p,
-                                     generator=self._generator(reqs))[:, 0].tolist()
-        for req, tok in zip(reqs, first):
-            req.append([tok], self.eos_ids, self.max_model_len)
-            if self.proposer is not None:
-                self.proposer.start(req.slot, req.prompt_ids)
-            self._running.append(req)
-        if self.proposer is not None:
-            self.proposer.prefilled([r.slot for r in reqs], lens, out)
+        return self.target.model(ids.to(self.device), self.cache, target_slots,
+                                 num_tokens=lens_t, logits_at=(lens_t - 1)[:, None],
+                                 aux_layer_ids=self.features.aux_layer_ids)
 
     def _retire(self) -> int:
         """Free the slots of finished requests; returns how many finished."""
@@ -310,60 +321,15 @@ class LLM:
             top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=self.device)
         return temperature, top_k, top_p
 
-    # ---- setup and I/O ---------------------------------------------------------------------------
-
-    def _make_proposer(self, dtype: torch.dtype) -> Proposer | None:
+    def _make_proposer(self) -> Proposer | None:
         if self.spec is None:
             return None
         self.spec.check_against_target(self.max_model_len)
-        ctx = ProposerContext(self.target, self.target.config, self.device, dtype,
-                              self.max_num_seqs, self.max_model_len, self.target.config.vocab_size,
+        cfg = self.target.model.config
+        ctx = ProposerContext(self.target.model, cfg, self.device, self.target.dtype,
+                              self.max_num_seqs, self.max_model_len, cfg.vocab_size,
                               self._static_steps)
-        return get_proposer_class(self.spec.method)(self.spec, ctx)
-
-    def _make_requests(self, prompts: Any, params: Any) -> list[Request]:
-        prompts = _normalise_prompts(prompts)
-        params_list = _normalise_params(params, len(prompts))
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            text, ids = self._encode(prompt, i)
-            req = Request(i, text, ids, p)
-            if p.seed is not None and not p.greedy:  # its own random stream
-                req.generator = torch.Generator(device=self.device).manual_seed(p.seed)
-            if len(ids) >= self.max_model_len:
-                req.finish_reason = "error"
-                log.error("request %d refused: prompt has %d tokens, max_model_len is %d", i,
-                          len(ids), self.max_model_len)
-            requests.append(req)
-        return requests
-
-    def _encode(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {index} is text but the model directory has no "
-                                 "tokenizer; pass token ids or tokenizer=PATH")
-            ids = self.tokenizer(prompt)["input_ids"]  # with BOS where the tokenizer adds one
-            text = prompt
-        else:
-            ids, text = list(prompt), None
-        if not ids:
-            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-        vocab = self.target.config.vocab_size
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): {bad[:5]}")
-        return text, ids
-
-    def _output(self, req: Request) -> RequestOutput:
-        error = None
-        if req.finish_reason == "error":
-            error = (f"prompt has {len(req.prompt_ids)} tokens; max_model_len is "
-                     f"{self.max_model_len} (at least one token must be generated)")
-        ids = req.output_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-        completion = CompletionOutput(0, text, ids, req.finish_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [completion],
-                             req.metrics.as_dict(), error)
+        return PROPOSERS.get(self.spec.method)(self.spec, ctx)
 
 
 def kv_cache_bytes(cfg, rows: int, max_len: int, dtype: torch.dtype) -> int:
@@ -401,11 +367,12 @@ def _all_greedy(temperature) -> bool:
     return not isinstance(temperature, torch.Tensor) and temperature <= 0.0
 
 
-def _check_engine_args(dtype, device, max_model_len, max_num_seqs, seed, util, tp) -> None:
-    if dtype != "auto" and dtype not in _DTYPES:
-        raise config_error("dtype", dtype, f"'auto' or one of {', '.join(_DTYPES)}", _WHERE)
-    if not (device == "auto" or str(device).split(":")[0] in ("cpu", "cuda")):
-        raise config_error("device", device, "'auto', 'cpu', 'cuda' or 'cuda:N'", _WHERE)
+def _measure(timer: Timer | None, rows: int = 0) -> ContextManager:
+    """``timer.measure(rows)``, or nothing when the engine is not being timed."""
+    return timer.measure(rows) if timer is not None else nullcontext()
+
+
+def _check_engine_args(max_model_len, max_num_seqs, seed, util, tp) -> None:
     check_int("max_model_len", max_model_len, _WHERE, minimum=2, optional=True)
     check_int("max_num_seqs", max_num_seqs, _WHERE, minimum=1)
     check_int("seed", seed, _WHERE)
@@ -416,68 +383,14 @@ def _check_engine_args(dtype, device, max_model_len, max_num_seqs, seed, util, t
                            "tensor parallelism)", _WHERE)
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise config_error("device", device, "'cpu' or 'auto' (no CUDA device is visible)", _WHERE)
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, device: torch.device) -> str | torch.dtype:
-    if dtype == "auto":
-        return "auto" if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
-
-def _load_tokenizer(path: str):
-    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
-    p = Path(path)
-    if not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(p))
-
-
-def _tokenizer_eos(tokenizer) -> frozenset[int]:
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    return frozenset() if eos is None else frozenset([eos])
-
-
-def _normalise_prompts(prompts: Any) -> list[Any]:
-    """A single prompt or a list of them -> list of str / list[int]."""
-    if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, dict):
-            if "prompt_token_ids" in p:
-                p = p["prompt_token_ids"]
-            elif "prompt" in p:
-                p = p["prompt"]
-            else:
-                raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or "
-                                 f"'prompt_token_ids', got keys {sorted(p)}")
-        if not isinstance(p, (str, list, tuple)):
-            raise ValueError(f"prompt {i}: expected a string or a list of token ids, got "
-                             f"{type(p).__name__}")
-        out.append(p)
-    if not out:
-        raise ValueError("generate: no prompts given")
-    return out
-
-
-def _normalise_params(params: Any, n: int) -> list[SamplingParams]:
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, SamplingParams):
-        params = [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"generate: got {len(params)} sampling params for {n} prompts")
-    return params
+def _check_loaded(dtype, device, max_model_len, tokenizer) -> None:
+    """A loaded Target fixed these; a different value here would be silently ignored."""
+    given = {"dtype": (dtype, "auto"), "device": (device, "auto"),
+             "max_model_len": (max_model_len, None), "tokenizer": (tokenizer, None)}
+    for key, (value, default) in given.items():
+        if value != default:
+            raise config_error(key, value, f"{default!r} when a loaded Target is passed (set it "
+                               "in Target.load)", _WHERE)
 
 
 def _as_tensor(value: Any, batch: int, device: torch.device) -> torch.Tensor:

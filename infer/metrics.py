@@ -1,6 +1,6 @@
 """Speculative-decoding metrics, defined once for the engine, the harness and training.
 
-Definitions (REFERENCE section 3, vLLM's Prometheus counters):
+Definitions (docs/reference.md §3, vLLM's Prometheus counters):
 
 - ``num_drafts``: verification steps of a request in which at least one token was drafted.
 - ``num_draft_tokens``: tokens drafted; ``num_accepted_tokens``: drafted tokens accepted *and
@@ -65,6 +65,12 @@ class SpecMetrics:
         if not self.num_drafts:
             return [0.0] * len(self.num_accepted_tokens_per_pos)
         return [c / self.num_drafts for c in self.num_accepted_tokens_per_pos]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecMetrics":
+        """The counters of an ``as_dict()`` (e.g. ``RequestOutput.metrics``)."""
+        return cls(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"],
+                   list(d["num_accepted_tokens_per_pos"]))
 
     def as_dict(self) -> dict:
         return {

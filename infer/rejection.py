@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from infer.sampling import Generator, fill_random_, logits_to_probs
+from infer.spec_config import REJECTION_SAMPLE_METHODS
 from infer.validation import config_error
 
-METHODS = ("strict", "probabilistic", "synthetic")
 IMPLS = ("auto", "torch", "triton")
 _WHERE = "rejection_sample"
 
@@ -271,8 +271,9 @@ def _is_number(v: object) -> bool:
 def _validate(target_logits, draft_token_ids, draft_probs, temperature, method, top_k, top_p,
               rate, impl) -> None:
     """Shape / dtype / Python-value checks only: nothing here reads tensor data."""
-    if method not in METHODS:
-        raise config_error("method", method, f"one of {', '.join(METHODS)}", _WHERE)
+    if method not in REJECTION_SAMPLE_METHODS:
+        raise config_error("method", method, f"one of {', '.join(REJECTION_SAMPLE_METHODS)}",
+                           _WHERE)
     if impl not in IMPLS:
         raise config_error("impl", impl, f"one of {', '.join(IMPLS)}", _WHERE)
     if not (isinstance(target_logits, torch.Tensor) and target_logits.ndim == 3

@@ -1,13 +1,19 @@
-"""Request state inside the engine and the outputs ``LLM.generate`` returns (vLLM-shaped)."""
+"""Request state inside the engine, how ``generate``'s inputs become requests, and the outputs it
+returns (vLLM-shaped)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from infer.metrics import SpecMetrics
 from infer.sampling import SamplingParams
+from infer.target import Target
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,3 +126,92 @@ def prefill_groups(lengths: list[int], call_cost: int = 64) -> list[list[int]]:
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+# ---- generate's inputs and outputs ------------------------------------------------------------
+
+def make_requests(prompts: Any, params: Any, target: Target) -> list[Request]:
+    """Prompts (strings, token-id lists, ``{"prompt_token_ids": [...]}`` / ``{"prompt": ...}``,
+    one or a list) and sampling params (one for all, or one each) -> requests. A prompt that
+    leaves no room for one generated token is refused alone (``finish_reason`` "error")."""
+    prompts = _normalise_prompts(prompts)
+    params_list = _normalise_params(params, len(prompts))
+    requests = []
+    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        text, ids = _encode(prompt, i, target)
+        req = Request(i, text, ids, p)
+        if p.seed is not None and not p.greedy:  # its own random stream
+            req.generator = torch.Generator(device=target.device).manual_seed(p.seed)
+        if len(ids) >= target.max_model_len:
+            req.finish_reason = "error"
+            log.error("request %d refused: prompt has %d tokens, max_model_len is %d", i,
+                      len(ids), target.max_model_len)
+        requests.append(req)
+    return requests
+
+
+def request_output(req: Request, target: Target) -> RequestOutput:
+    """A finished (or refused) request as ``generate`` returns it."""
+    error = None
+    if req.finish_reason == "error":
+        error = (f"prompt has {len(req.prompt_ids)} tokens; max_model_len is "
+                 f"{target.max_model_len} (at least one token must be generated)")
+    ids = req.output_ids
+    tok = target.tokenizer
+    text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
+    completion = CompletionOutput(0, text, ids, req.finish_reason)
+    return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [completion],
+                         req.metrics.as_dict(), error)
+
+
+def _encode(prompt: Any, index: int, target: Target) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        if target.tokenizer is None:
+            raise ValueError(f"prompt {index} is text but the model directory has no "
+                             "tokenizer; pass token ids or tokenizer=PATH")
+        ids = target.tokenizer(prompt)["input_ids"]  # with BOS where the tokenizer adds one
+        text = prompt
+    else:
+        ids, text = list(prompt), None
+    if not ids:
+        raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+    vocab = target.model.config.vocab_size
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): {bad[:5]}")
+    return text, ids
+
+
+def _normalise_prompts(prompts: Any) -> list[Any]:
+    """A single prompt or a list of them -> list of str / list[int]."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                p = p["prompt_token_ids"]
+            elif "prompt" in p:
+                p = p["prompt"]
+            else:
+                raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or "
+                                 f"'prompt_token_ids', got keys {sorted(p)}")
+        if not isinstance(p, (str, list, tuple)):
+            raise ValueError(f"prompt {i}: expected a string or a list of token ids, got "
+                             f"{type(p).__name__}")
+        out.append(p)
+    if not out:
+        raise ValueError("generate: no prompts given")
+    return out
+
+
+def _normalise_params(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"generate: got {len(params)} sampling params for {n} prompts")
+    return params

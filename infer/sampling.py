@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from infer.spec_config import SpeculativeConfig
 from infer.validation import check_float, check_int, config_error, reject_unknown_keys
 
 _WHERE = "SamplingParams"
@@ -70,20 +71,13 @@ class SamplingParams:
         if isinstance(obj, DictConfig):  # dict() would keep ListConfig values
             obj = OmegaConf.to_container(obj, resolve=True)
         obj = dict(obj or {})
-        hints = {k: "it belongs in speculative_config, not in the sampling parameters"
-                 for k in _speculative_keys()}
+        hints = {f.name: "it belongs in speculative_config, not in the sampling parameters"
+                 for f in fields(SpeculativeConfig)}
         reject_unknown_keys(obj, [f.name for f in fields(cls)], _WHERE, hints)
         return cls(**obj)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _speculative_keys() -> list[str]:
-    """SpeculativeConfig's field names (imported late: spec_config imports this module)."""
-    from infer.spec_config import SpeculativeConfig
-
-    return [f.name for f in fields(SpeculativeConfig)]
 
 
 def _per_row(value: float | int | torch.Tensor | None, like: torch.Tensor,

@@ -24,7 +24,6 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from infer.sampling import SamplingParams
 from infer.validation import check_float, check_int, config_error, reject_unknown_keys
 
 _WHERE = "speculative_config"
@@ -40,12 +39,14 @@ _NO_MODEL = ("ngram", "suffix")
 _PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp")
 _PROMPT_LOOKUP_DEFAULT = 5
 
-# Keys people copy into speculative_config from the request; point them at SamplingParams.
-_SAMPLING_KEYS = {f.name for f in fields(SamplingParams)} | {
-    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logprobs",
-    "best_of"}
+# vLLM's per-request sampling keys (a superset of draftsmith's SamplingParams fields): people copy
+# them into speculative_config; the error points them at SamplingParams instead.
+VLLM_SAMPLING_KEYS = (
+    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+    "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logprobs")
 _KEY_HINTS = {k: "it is a sampling parameter (set it in SamplingParams), not a speculative_config "
-                 "field" for k in _SAMPLING_KEYS}
+                 "field" for k in VLLM_SAMPLING_KEYS}
 _KEY_HINTS["tensor_parallel_size"] = ("use 'draft_tensor_parallel_size' (draftsmith's engine "
                                       "serves one device, so it can only be 1)")
 
@@ -168,7 +169,8 @@ class SpeculativeConfig:
                                                     "the context and loads no model", _WHERE)
 
     def _num_tokens_from_draft(self, draft: dict[str, Any], path: Path | None) -> int:
-        """k from the drafter's own config (REFERENCE 4, 5); otherwise the user must give it."""
+        """k from the drafter's own config (docs/reference.md §1, §5); otherwise the user must
+        give it."""
         spec = draft.get("speculators_config")
         if isinstance(spec, dict):
             proposals = spec.get("proposal_methods")

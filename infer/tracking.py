@@ -185,6 +185,7 @@ def resolve_wandb_mode(mode: str | None = None) -> str:
     """The explicit mode, else ``$WANDB_MODE``, else online iff an API key is configured."""
     if mode is None:
         mode = os.environ.get("WANDB_MODE") or ("online" if has_wandb_api_key() else "offline")
+    mode = str(mode)  # a config enum member -> its value
     mode = {"dryrun": "offline", "run": "online", "disable": "disabled"}.get(mode, mode)
     if mode not in ("online", "offline", "disabled", "shared"):
         raise config_error("mode", mode, "online, offline, disabled or None (from WANDB_MODE "

@@ -1,8 +1,12 @@
-"""Shared validation helpers: every config error names the key, the value and what is allowed."""
+"""Shared validation helpers: every config error names the key, the value and what is allowed.
+
+Imported by ``train/`` as well as ``infer/``, so it stays free of torch and of the engine.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from enum import Enum
+from typing import Any, Iterable, TypeVar
 
 
 def config_error(key: str, value: Any, allowed: str, where: str = "") -> ValueError:
@@ -47,3 +51,27 @@ def check_float(key: str, value: Any, where: str, *, low: float | None = None,
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         raise config_error(key, value, f"a number in {'(' if low_open else '['}{lo}, {hi}]", where)
+
+
+class StrChoice(str, Enum):
+    """A config field with a fixed set of string values: Hydra / OmegaConf reject any other
+    value at compose time, listing the allowed ones. Members compare equal to their strings
+    and format as them (``f"{Schedule.cosine}" == "cosine"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+C = TypeVar("C", bound=StrChoice)
+
+
+def check_choice(key: str, value: Any, choices: type[C], where: str) -> C:
+    """``value`` as a member of ``choices`` (configs built in Python skip OmegaConf's check)."""
+    try:
+        return choices(value)
+    except ValueError:
+        allowed = " | ".join(str(c.value) for c in choices)
+        raise config_error(key, value, f"one of {allowed}", where) from None

@@ -23,12 +23,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from infer.harness import HarnessConfig, run_harness
+from infer.eval.harness import HarnessConfig, run_harness
 from train.config import register_configs
 from train.evaluate import eval_prompts
 from train.pipeline import run
-from train.tiny_target import default_draft_dir
-from train.tiny_target_build import ensure_tiny_target
+from train.tiny.corpus import default_draft_dir
+from train.tiny.build import ensure_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path("outputs/bench")
@@ -45,7 +45,7 @@ def compose_recipe(name: str, steps: int | None):
 
 def train_recipe(name: str, steps: int | None, retrain: bool) -> tuple[dict, dict]:
     """(speculative_config of the trained drafter, training stats); reuses a finished run."""
-    from train.objectives.base import get_objective
+    from train.objectives.base import OBJECTIVES
 
     cfg = compose_recipe(name, steps)
     stats_file = cfg.run_dir / "bench_train.json"
@@ -58,7 +58,7 @@ def train_recipe(name: str, steps: int | None, retrain: bool) -> tuple[dict, dic
                     if k.startswith(("acceptance_length_est", "full_acc"))}}
         stats_file.write_text(json.dumps(stats))
     stats = json.loads(stats_file.read_text())
-    spec = get_objective(cfg.drafter.method).served_config(cfg.final_dir)
+    spec = OBJECTIVES.get(cfg.drafter.method).served_config(cfg.final_dir)
     return spec, stats
 
 

@@ -8,7 +8,7 @@ method, next to transformers' ``generate`` (plain; with ``assistant_model``; wit
 ``prompt_lookup_num_tokens``; the last two only at batch 1, which is all transformers supports).
 For each method it also reports the speedup modelled from the measured batch steps, step costs
 and prefill time (``modelled_speedup``, a timing model, unlike the harness's acceptance-based
-``infer.advisor.predicted_speedup``; costs timed by ``infer.harness.instrument``), and the ratio
+``infer.eval.advisor.predicted_speedup``; costs from the engine's step timers), and the ratio
 measured / modelled. Every row is the median of ``--repeats`` runs that alternate with
 transformers' (a shared machine's load moves both alike). Greedy decoding; fp32 on CPU (threads
 as torch sets them). On CUDA the engine's steps are CUDA graphs, so an extra row
@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from infer.engine import LLM
-from infer.harness import instrument, warm_up
+from infer.eval.harness import timed_generate, warm_up
 from infer.sampling import SamplingParams
-from train.data import heldout_prompts
-from train.tiny_target import default_draft_dir
-from train.tiny_target_build import ensure_tiny_target
+from train.tiny.examples import heldout_prompts
+from train.tiny.corpus import default_draft_dir
+from train.tiny.build import ensure_tiny_target
 
 
 def engine_runner(target: str, spec, prompts, max_tokens: int, batch: int, device: str = "cpu",
@@ -49,10 +49,7 @@ def engine_runner(target: str, spec, prompts, max_tokens: int, batch: int, devic
         llm.metrics.__init__()
         if llm.proposer is not None:  # every run starts alike: no drafts from an earlier run's
             llm.proposer.reset()  # outputs of the same prompts (suffix decoding's global tree)
-        with instrument(llm) as timers:  # step / verify forward / propose wall times
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            elapsed = time.perf_counter() - start
+        outs, elapsed, timers = timed_generate(llm, prompts, params)  # step / verify / propose
         tokens = sum(len(o.token_ids) for o in outs)
         m = llm.get_metrics()
         return {"tok_s": tokens / elapsed, "tokens": tokens,

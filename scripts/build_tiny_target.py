@@ -8,8 +8,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from train.tiny_target import default_draft_dir
-from train.tiny_target_build import ensure_tiny_target, load_meta
+from train.tiny.corpus import default_draft_dir
+from train.tiny.build import ensure_tiny_target, load_meta
 
 
 def _summary(kind: str, path: Path) -> dict:

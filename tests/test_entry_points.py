@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def infer_entry(monkeypatch, tmp_path):
-    import train.tiny_target as tiny
-    import train.tiny_target_build as build
+    import train.tiny.corpus as tiny
+    import train.tiny.build as build
 
     monkeypatch.setattr(build, "ensure_tiny_target", lambda **kw: "TARGET")
     monkeypatch.setattr(tiny, "default_draft_dir", lambda: "DRAFT")

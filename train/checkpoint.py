@@ -22,13 +22,15 @@ a finished one with a larger ``trainer.max_steps``, is a normal thing to do.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+from infer.atomic import atomic_dir, replace_dir
+from train import fingerprint
+from train.fingerprint import digest
 
 STATE_FILE = "trainer_state.json"
 DRAFTER_DIR = "drafter"
@@ -89,10 +91,6 @@ def compat_config(cfg: Any, stage: str, world_size: int) -> dict[str, Any]:
     return json.loads(json.dumps(out, default=str))  # plain JSON values (tuples -> lists)
 
 
-def fingerprint(compat: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def read_state(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
@@ -122,16 +120,13 @@ def resolve_resume(resume: str, root: Path) -> Path | None:
 
 def check_compatible(path: Path, state: dict[str, Any], compat: dict[str, Any]) -> None:
     """Raise ``IncompatibleCheckpoint`` naming the path, the differing keys and the way out."""
-    saved = state.get("compat", {})
-    if state.get("fingerprint") == fingerprint(compat):
+    if state.get("fingerprint") == digest(compat):
         return
-    keys = sorted(k for k in set(saved) | set(compat) if saved.get(k) != compat.get(k))
-    diff = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, this run {compat.get(k)!r}"
-                     for k in keys[:8]) or "fingerprint differs"
-    raise IncompatibleCheckpoint(
-        f"cannot resume from {path}: it was written with different settings ({diff}). "
-        "Restore those settings to continue it, or start over with trainer.resume=never "
-        "(replaces this stage's checkpoints) or a different output_dir / name.")
+    fingerprint.check(state.get("compat", {}), compat, subject=f"checkpoint {path}",
+                      held="checkpoint has", error=IncompatibleCheckpoint, remedy=(
+                          "Restore those settings to resume from it, or start over with "
+                          "trainer.resume=never (replaces this stage's checkpoints) or a "
+                          "different output_dir / name."))
 
 
 def remove_checkpoints(root: Path) -> list[Path]:
@@ -175,9 +170,7 @@ def save_checkpoint(accelerator, model, objective, root: Path, state: dict[str, 
     accelerator.wait_for_everyone()  # every rank's RNG / shard files are in tmp
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
-        if final.exists():  # a previous run's checkpoint of the same step (resume=never)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # over a previous run's checkpoint of this step (resume=never)
     accelerator.wait_for_everyone()
     return final
 
@@ -185,14 +178,6 @@ def save_checkpoint(accelerator, model, objective, root: Path, state: dict[str, 
 def export_atomically(objective, state_dict: dict | None, dest: str | Path) -> Path:
     """``objective.export`` into a temporary sibling, then swap it in: ``dest`` is never half
     written, and a served drafter is replaced only by a complete one. Main process only."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    objective.export(tmp, state_dict)
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
-    return dest
+    with atomic_dir(dest) as tmp:
+        objective.export(tmp, state_dict)
+    return Path(dest)

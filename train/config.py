@@ -2,10 +2,13 @@
 
 YAML in ``conf/`` and ``recipes/`` only states values; the schema lives here, so a misspelt key
 fails at compose time with the key named (Hydra's structured-config check) instead of being
-silently ignored. Every recipe file ``recipes/NAME.yaml`` is registered into the ``recipe``
-group at import (``register_configs``), so ``python train.py recipe=NAME`` selects it and an
-unknown name makes Hydra list the available ones. The recipe's name is written into ``name``
-(the output folder ``<output_dir>/<name>``), so recipe files state deltas only.
+silently ignored, and a field with a fixed set of values (a ``StrChoice`` enum) rejects any other
+value with the allowed ones listed. Every field carries an attribute docstring: ``python train.py
+--help`` prints them all (``infer/config_docs.py``). Every recipe file ``recipes/NAME.yaml`` is
+registered into the ``recipe`` group at import (``register_configs``), so ``python train.py
+recipe=NAME`` selects it and an unknown name makes Hydra list the available ones. The recipe's
+name is written into ``name`` (the output folder ``<output_dir>/<name>``), so recipe files state
+deltas only.
 """
 
 from __future__ import annotations
@@ -17,30 +20,94 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from infer.config import EvalConfig, LoggerKind
+from infer.config_docs import register_help_resolver
+from infer.validation import StrChoice
+
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "tiny_eagle3"
 
 
+class TargetDtype(StrChoice):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class DataFormat(StrChoice):
+    openai = "openai"
+    sharegpt = "sharegpt"
+    prompt_completion = "prompt_completion"
+    text = "text"
+
+
+class FeatureMode(StrChoice):
+    online = "online"
+    offline = "offline"
+
+
+class StorageDtype(StrChoice):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Schedule(StrChoice):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Precision(StrChoice):
+    auto = "auto"
+    no = "no"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Device(StrChoice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class WandbMode(StrChoice):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
 @dataclass
 class TargetConfig:
-    """The frozen target. ``path`` None means the embedded tiny target (built if missing)."""
+    """The frozen target."""
 
-    path: Optional[str] = None  # HF model directory or hub id
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)
+    path: Optional[str] = None
+    """HF model directory or hub id; None: the embedded tiny target (built if missing)."""
+    dtype: TargetDtype = TargetDtype.auto
+    """auto: bfloat16 on GPU, float32 on CPU."""
 
 
 @dataclass
 class DataConfig:
-    """Training data. ``source`` None means the embedded default dataset (stdlib code)."""
+    """Training data."""
 
     source: Optional[str] = None
-    format: Optional[str] = None  # auto-detected from the columns when None
+    """File, folder, save_to_disk folder or hub id; None: the embedded default (stdlib code)."""
+    format: Optional[DataFormat] = None
+    """Column layout; None: detected from the columns."""
     split: str = "train"
+    """Split of a folder or hub dataset."""
     max_length: int = 512
-    num_examples: int = 2000  # embedded default dataset size / cap on other sources
+    """Tokens per packed row (and the cap on one example)."""
+    num_examples: int = 2000
+    """Size of the embedded default dataset / cap on other sources."""
     num_proc: int = 1
+    """Tokenizer worker processes."""
     seed: int = 0
+    """Shuffle seed."""
     pack: bool = True
+    """Pack examples into rows of max_length (documents never attend across each other)."""
 
 
 @dataclass
@@ -48,125 +115,190 @@ class RegenerateConfig:
     """Self-distillation: the target rewrites the answers with the engine (train/regenerate.py)."""
 
     enabled: bool = False
+    """Rewrite every assistant answer with the target before training."""
     temperature: float = 0.0
+    """Sampling temperature of the rewrite (0: greedy)."""
     top_p: float = 1.0
-    max_tokens: int = 256  # per answer
-    batch_size: int = 8  # engine max_num_seqs
-    max_model_len: Optional[int] = None  # None: the target's context length
-    num_examples: Optional[int] = None  # regenerate only the first N examples (None: all)
+    """Nucleus sampling of the rewrite."""
+    max_tokens: int = 256
+    """Tokens per answer."""
+    batch_size: int = 8
+    """Requests decoded together (the engine's max_num_seqs)."""
+    max_model_len: Optional[int] = None
+    """Context length of the rewrite; None: the target's."""
+    num_examples: Optional[int] = None
+    """Regenerate only the first N examples; None: all."""
 
 
 @dataclass
 class FeaturesConfig:
-    """Target features: ``online`` (target forward inside each step) or ``offline`` (precomputed
-    once into sharded safetensors under ``cache_dir``, default ``<run>/features``)."""
+    """Target features: computed inside each training step, or cached once."""
 
-    mode: str = "online"  # online | offline
+    mode: FeatureMode = FeatureMode.online
+    """online: the frozen target runs in each step; offline: a resumable safetensors cache."""
     cache_dir: Optional[str] = None
-    dtype: str = "bfloat16"  # storage dtype of the offline cache: bfloat16 | float16 | float32
+    """Offline cache folder; None: <run_dir>/features."""
+    dtype: StorageDtype = StorageDtype.bfloat16
+    """Storage dtype of the offline cache."""
     rows_per_shard: int = 256
-    batch_size: int = 4  # target forward batch while precomputing
+    """Packed rows per cache shard."""
+    batch_size: int = 4
+    """Target forward batch while filling the cache."""
 
 
 @dataclass
 class DrafterConfig:
-    """The drafter architecture. Keys not used by ``method`` are ignored by it."""
+    """The drafter architecture; keys a method does not use are ignored by it."""
 
-    method: str = "eagle3"  # eagle3 | eagle | mlp_speculator | pard (train/objectives/)
-    draft_vocab_size: int = 1024  # eagle3: reduced LM head over the most frequent loss tokens
-    aux_layer_ids: Optional[List[int]] = None  # eagle3: None = default_aux_layer_ids(n)
-    intermediate_size: Optional[int] = None  # eagle / eagle3 draft layer MLP; None = target's
-    norm_before_residual: bool = True  # eagle3 flags (speculators config.json keys)
+    method: str = "eagle3"
+    """The objective (train/objectives/): eagle3, eagle, mlp_speculator or pard."""
+    draft_vocab_size: int = 1024
+    """eagle3: LM head over the most frequent training-target tokens."""
+    aux_layer_ids: Optional[List[int]] = None
+    """eagle3: target residual streams fed to the head; None: [2, n // 2, n - 3] made valid."""
+    intermediate_size: Optional[int] = None
+    """eagle / eagle3: the draft layer's MLP width; None: the target's."""
+    norm_before_residual: bool = True
+    """eagle3: residual = hidden_norm(g) (speculators' flag)."""
     norm_output: bool = False
+    """eagle3: feed norm(h) back to the next step instead of h."""
     fc_norm: bool = False
-    embed_requires_grad: bool = False  # eagle3: train (and ship) its own embedding
-    n_predict: int = 3  # mlp_speculator stages
-    inner_dim: int = 0  # mlp_speculator; 0 = target hidden size
-    tie_weights: bool = False  # mlp_speculator
-    scale_input: bool = False  # mlp_speculator
-    model: Optional[str] = None  # pard: the draft causal LM to adapt (None: embedded tiny draft)
-    mask_token_id: Optional[int] = None  # pard: None = picked automatically (pard objective)
-    init_from: Optional[str] = None  # start from an exported checkpoint of this method
+    """eagle3: one RMSNorm per aux state before fc."""
+    embed_requires_grad: bool = False
+    """eagle3: train (and ship) its own embedding instead of sharing the target's."""
+    n_predict: int = 3
+    """mlp_speculator: stages (drafted tokens)."""
+    inner_dim: int = 0
+    """mlp_speculator: state width; 0: the target's hidden size."""
+    tie_weights: bool = False
+    """mlp_speculator: share embedding, head, norm and projection across stages."""
+    scale_input: bool = False
+    """mlp_speculator: normalise and scale the target state first."""
+    model: Optional[str] = None
+    """pard: the draft causal LM to adapt; None: the embedded tiny draft."""
+    mask_token_id: Optional[int] = None
+    """pard: the mask token; None: picked automatically (an unused id)."""
+    init_from: Optional[str] = None
+    """Start from an exported checkpoint of this method."""
 
 
 @dataclass
 class ObjectiveConfig:
-    """Loss settings. Keys not used by the method are ignored by it."""
+    """Loss settings; keys a method does not use are ignored by it."""
 
-    ttt_steps: int = 7  # eagle3 / eagle: training-time-test unroll length
-    step_weight: float = 1.0  # step s has weight step_weight ** s (EAGLE: 0.8, speculators: 1)
-    feature_noise: float = 0.0  # uniform noise amplitude on target features (EAGLE: 0.1-0.2)
-    regression_weight: float = 1.0  # eagle: SmoothL1 on features
-    ce_weight: float = 0.1  # eagle: soft CE against the target distribution
-    kd_weight: float = 0.0  # mlp_speculator / pard: KD against the target distribution
-    pard_k: int = 8  # pard: number of copies (drafts per forward)
-    cod_ratio: float = 0.7  # pard: copy i keeps max(cod_ratio ** i, cod_min) of positions
+    ttt_steps: int = 7
+    """eagle3 / eagle: training-time-test unroll length."""
+    step_weight: float = 1.0
+    """Step s of the unroll has weight step_weight ** s (EAGLE: 0.8, speculators: 1)."""
+    feature_noise: float = 0.0
+    """Uniform noise amplitude on the target features (EAGLE: 0.1-0.2)."""
+    regression_weight: float = 1.0
+    """eagle: SmoothL1 on the next feature."""
+    ce_weight: float = 0.1
+    """eagle: KL to the target's next-token distribution."""
+    kd_weight: float = 0.0
+    """mlp_speculator / pard: KL to the target's distribution, on top of the CE."""
+    pard_k: int = 8
+    """pard: copies of the sequence (drafts per forward)."""
+    cod_ratio: float = 0.7
+    """pard: copy i keeps max(cod_ratio ** i, cod_min) of the positions."""
     cod_min: float = 0.2
-    stage2_steps: int = 0  # mlp_speculator: stage 2 on target-generated text (0 = off)
+    """pard: the floor of that fraction."""
+    stage2_steps: int = 0
+    """mlp_speculator: optimizer steps of stage 2 on the target's own answers; 0: off."""
 
 
 @dataclass
 class TrainerConfig:
+    """The accelerate training loop (train/trainer.py)."""
+
     lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
     weight_decay: float = 0.0
+    """AdamW weight decay of matrices (norms and biases get none)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
     max_grad_norm: float = 0.5
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    """Gradient clipping; 0: off."""
+    schedule: Schedule = Schedule.cosine
+    """Decay after the warmup."""
     warmup_steps: int = 0
-    warmup_ratio: float = 0.0  # used when warmup_steps is 0
-    min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
+    """Linear warmup steps."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of all steps, used when warmup_steps is 0."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decay, as a fraction of lr."""
     epochs: float = 1.0
-    max_steps: Optional[int] = None  # optimizer steps; overrides epochs
+    """Passes over the data (when max_steps is not set)."""
+    max_steps: Optional[int] = None
+    """Optimizer steps; overrides epochs."""
     micro_batch_size: int = 1
+    """Rows per device per forward."""
     grad_accum: int = 1
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    """Micro-batches per optimizer step."""
+    mixed_precision: Precision = Precision.auto
+    """auto: bf16 on a GPU that has it, none on CPU."""
     log_every: int = 10
-    save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
-    keep_last: int = 2  # checkpoints kept per stage; 0 keeps all
-    resume: str = "auto"  # auto: the latest checkpoint of the same stage, if any; never: delete
-    # that stage's old checkpoints and start over; PATH: that checkpoint
+    """Optimizer steps between log lines."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints; 0: only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept per stage; 0 keeps all."""
+    resume: str = "auto"
+    """auto: the latest checkpoint of the stage, if any; never: start over (deletes the stage's
+    checkpoints); PATH: that checkpoint."""
     num_workers: int = 0
-    device: str = "auto"  # auto | cpu | cuda (accelerate picks the rank's GPU)
+    """DataLoader worker processes."""
+    device: Device = Device.auto
+    """auto: the rank's GPU when there is one, else CPU."""
 
 
 @dataclass
 class LoggerConfig:
-    kind: str = "wandb"  # wandb (offline without API key / network) | none
+    """Experiment tracking."""
+
+    kind: LoggerKind = LoggerKind.wandb
+    """wandb (offline without an API key or network) or none."""
     project: str = "draftsmith"
-    run_name: Optional[str] = None  # None: the recipe name
-    mode: Optional[str] = None  # online | offline | disabled; None: from key / WANDB_MODE
+    """W&B project."""
+    run_name: Optional[str] = None
+    """W&B run name; None: the recipe name."""
+    mode: Optional[WandbMode] = None
+    """W&B mode; None: from the API key / WANDB_MODE."""
 
 
-@dataclass
-class EvalConfig:
-    """End-of-training acceptance harness on held-out prompts (infer/harness.py)."""
-
-    enabled: bool = True
-    ks: List[int] = field(default_factory=lambda: [3])
-    num_prompts: int = 8
-    max_tokens: int = 64
-    dataset: Optional[str] = None  # None: held-out code prompts (embedded default)
-    dataset_split: str = "test"
-    baselines: List[str] = field(default_factory=lambda: ["ngram"])  # methods run beside it
-    batch_size: int = 1
+def _default_eval() -> EvalConfig:
+    return EvalConfig(methods=[{"method": "ngram"}], ks=[3])
 
 
 @dataclass
 class TrainConfig:
     """Top-level config of ``python train.py``."""
 
-    name: str = DEFAULT_RECIPE  # set from the recipe file name
+    name: str = DEFAULT_RECIPE
+    """Run name, set from the recipe file name; outputs go to <output_dir>/<name>."""
     output_dir: str = "outputs"
+    """Where runs are written."""
     seed: int = 0
+    """Seed of initialisation, data order and noise."""
     target: TargetConfig = field(default_factory=TargetConfig)
+    """The frozen target."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Training data."""
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    """Answers rewritten by the target."""
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    """Target features."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    """The drafter."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """Its loss."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The training loop."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Experiment tracking."""
+    eval: EvalConfig = field(default_factory=_default_eval)
+    """End-of-training acceptance harness (the trained drafter beside eval.methods)."""
 
     @property
     def run_dir(self) -> Path:
@@ -191,3 +323,4 @@ def register_configs() -> None:
         node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml") or OmegaConf.create({})
         node.name = name
         cs.store(group="recipe", name=name, node=node, package="_global_")
+    register_help_resolver("train", TrainConfig)

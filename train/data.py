@@ -24,13 +24,12 @@ documents either: ``document_attention_mask`` builds the block-diagonal causal m
 
 Formats, loss-mask rules (terminator in, trailing template newline out) and loading live in
 ``train/data_formats.py``. The embedded default dataset (prefix -> continuation pairs cut from
-the tiny target's training files) is ``build_default_dataset``.
+the tiny target's training files) is ``train.tiny.examples.build_default_dataset``.
 """
 
 from __future__ import annotations
 
 import bisect
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,12 +41,10 @@ from datasets import Features, List, Value
 
 from train.data_formats import (FORMATS, SkipRow, added_special_tokens, detect_format,
                                 load_source, row_to_messages, tokenize_messages)
-from train.tiny_target import code_chat_pairs, read_texts, stdlib_corpus, stdlib_root
 
 __all__ = [
     "FORMATS", "DataStats", "Tokenize", "tokenize_dataset", "pack_lengths", "pack_dataset",
-    "document_attention_mask", "collate", "prepare_dataset", "build_default_dataset",
-    "heldout_prompts", "load_source", "detect_format",
+    "document_attention_mask", "collate", "prepare_dataset", "load_source", "detect_format",
 ]
 
 SKIP_REASONS = {  # reason -> how the summary line says it
@@ -351,61 +348,3 @@ def prepare_dataset(source: str | Path | datasets.Dataset | datasets.DatasetDict
     if verbose:
         print(stats.summary(), flush=True)
     return (ds, stats) if return_stats else ds
-
-
-# ----------------------------------------------------------------------------- embedded default
-
-def _sample_pairs(texts: list[str], n: int, seed: int, prompt_chars: tuple[int, int],
-                  completion_chars: tuple[int, int]) -> list[tuple[str, str]]:
-    """``n`` (code prefix, continuation) pairs from files picked in proportion to their size."""
-    rng = random.Random(seed)
-    cum, total = [], 0
-    for t in texts:
-        total += len(t)
-        cum.append(total)
-    pairs: list[tuple[str, str]] = []
-    for _ in range(20 * n + 100):
-        if len(pairs) == n or total == 0:
-            break
-        text = rng.choices(texts, cum_weights=cum)[0]
-        pairs += code_chat_pairs(text, rng, 1, prompt_chars, completion_chars)
-    if len(pairs) < n:
-        raise ValueError(f"corpus too small: only {len(pairs)} of {n} prompt/completion pairs "
-                         f"could be cut from {len(texts)} files")
-    return pairs
-
-
-def _corpus_texts(root: str | Path | None, corpus_seed: int, heldout_fraction: float,
-                  heldout: bool) -> list[str]:
-    root = Path(root) if root else stdlib_root()
-    train, held = stdlib_corpus(corpus_seed, heldout_fraction, root)
-    return read_texts(root, held if heldout else train)
-
-
-def build_default_dataset(num_examples: int = 2000, *, seed: int = 0,
-                          prompt_chars: tuple[int, int] = (200, 800),
-                          completion_chars: tuple[int, int] = (100, 500),
-                          root: str | Path | None = None, corpus_seed: int = 0,
-                          heldout_fraction: float = 0.1) -> datasets.Dataset:
-    """The embedded default: ``prompt`` (code prefix) / ``completion`` (the lines that follow).
-
-    Cut from the tiny target's TRAIN files (``stdlib_corpus``; ``corpus_seed`` and
-    ``heldout_fraction`` must match the target's build so held-out files stay unseen), at line
-    boundaries, deterministically for a given ``seed``. The completions are the real source
-    continuations; the pipeline may regenerate them with the target (self-distillation).
-    """
-    texts = _corpus_texts(root, corpus_seed, heldout_fraction, heldout=False)
-    pairs = _sample_pairs(texts, num_examples, seed, prompt_chars, completion_chars)
-    return datasets.Dataset.from_dict({"prompt": [p for p, _ in pairs],
-                                       "completion": [c for _, c in pairs]})
-
-
-def heldout_prompts(n: int, seed: int = 0, *, prompt_chars: tuple[int, int] = (200, 800),
-                    root: str | Path | None = None, corpus_seed: int = 0,
-                    heldout_fraction: float = 0.1) -> list[str]:
-    """``n`` code-prefix prompts from the HELD-OUT files, for acceptance evaluation.
-
-    Plain strings: callers send each as one user message through the chat template.
-    """
-    texts = _corpus_texts(root, corpus_seed, heldout_fraction, heldout=True)
-    return [p for p, _ in _sample_pairs(texts, n, seed, prompt_chars, (1, 200))]

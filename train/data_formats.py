@@ -1,4 +1,5 @@
-"""Dataset loading, conversation formats and assistant-only loss masks (any chat template).
+"""Conversation formats and assistant-only loss masks (any chat template); datasets are read by
+``infer.data_sources.load_source`` (the reader evaluation prompts use too).
 
 ``train/data.py`` builds the training pipeline on top of these pieces; this module knows nothing
 about packing or caching.
@@ -39,69 +40,10 @@ contains every special token the tokenizer would add, so BOS is never doubled.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import datasets
-
+from infer.data_sources import ROLES, load_source  # noqa: F401 (load_source: re-exported)
 from infer.validation import config_error
-
-# --------------------------------------------------------------------------------- loading
-
-# file extension -> datasets packaged builder
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
-                 ".csv": "csv"}
-
-
-def load_source(source: str | Path, split: str = "train", *,
-                cache_dir: str | None = None) -> datasets.Dataset:
-    """Load a dataset from a local file / folder or a Hugging Face Hub id.
-
-    - a ``save_to_disk`` folder (has ``state.json`` or ``dataset_dict.json``): ``load_from_disk``
-      (``split`` picks from a DatasetDict);
-    - a folder of json/jsonl/parquet/arrow/csv files: ``load_dataset(folder, split=split)``
-      (datasets infers the builder and the splits from the file names; no split names -> all
-      files are ``train``);
-    - one such file: ``load_dataset(builder, data_files=file, split="train")`` (a single file is
-      one split; ``split`` is ignored);
-    - anything else that does not exist locally and does not look like a path is a Hub id:
-      ``load_dataset(id, split=split)``.
-    """
-    text = str(source)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
-            loaded = datasets.load_from_disk(str(path))
-            if isinstance(loaded, datasets.DatasetDict):
-                if split not in loaded:
-                    raise ValueError(f"dataset {text!r} has splits {sorted(loaded)}; "
-                                     f"split={split!r} is not one of them")
-                loaded = loaded[split]
-            return loaded
-        found = sorted({p.suffix for p in path.rglob("*") if p.suffix in FILE_BUILDERS})
-        if not found:
-            raise ValueError(f"dataset folder {text!r} holds no {_supported_files()} files and "
-                             "is not a save_to_disk folder")
-        return datasets.load_dataset(str(path), split=split, cache_dir=cache_dir)
-    if path.is_file():
-        builder = FILE_BUILDERS.get(path.suffix)
-        if builder is None:
-            raise ValueError(f"dataset file {text!r} has an unsupported extension "
-                             f"{path.suffix!r}; expected {_supported_files()} or a folder")
-        return datasets.load_dataset(builder, data_files=str(path), split="train",
-                                     cache_dir=cache_dir)
-    if text.startswith((".", "/", "~")) or path.suffix in FILE_BUILDERS:
-        raise FileNotFoundError(f"dataset path {text!r} does not exist")
-    try:
-        return datasets.load_dataset(text, split=split, cache_dir=cache_dir)
-    except Exception as e:  # noqa: BLE001 - re-raised with the source named
-        raise ValueError(f"{text!r} is not a local path and could not be loaded as a Hub "
-                         f"dataset (split={split!r}): {type(e).__name__}: {e}") from e
-
-
-def _supported_files() -> str:
-    return "/".join(sorted(FILE_BUILDERS))
-
 
 # --------------------------------------------------------------------------------- formats
 
@@ -114,10 +56,6 @@ FORMATS: dict[str, tuple[str, ...]] = {
 }
 FORMAT_HELP = ("sharegpt (conversations: from/value), openai (messages: role/content), "
                "prompt_completion (prompt + completion), text (text)")
-
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "model": "assistant", "system": "system"}
-
 
 def detect_format(columns: list[str], format: str | None = None) -> str:
     """The format of a dataset with ``columns``; ``format`` forces one (its columns checked)."""
@@ -168,7 +106,7 @@ def row_to_messages(row: dict[str, Any], format: str) -> list[dict[str, str]]:
         raw = row.get("conversations") or []
         messages = []
         for m in raw:
-            role = SHAREGPT_ROLES.get(str(m.get("from")).lower())
+            role = ROLES.get(str(m.get("from")).lower())
             if role is None:
                 raise SkipRow("unknown_role")
             messages.append({"role": role, "content": _content(m.get("value"))})

@@ -1,17 +1,20 @@
 """End-of-training acceptance report: the trained drafter through the same harness as serving.
 
 The exported checkpoint is loaded by the engine exactly as ``python infer.py`` or a user would
-(its ``speculative_config``), next to the configured baselines (n-gram by default), on held-out
-prompts: the held-out standard-library code for the embedded default, or ``eval.dataset``.
-What is printed (acceptance length, per-position rates, speedup against autoregressive decoding
-at the same batch size) is what ``results.json`` / W&B get, from ``infer.harness.run_harness``.
+(its ``speculative_config``), next to the configured ``eval.methods`` (n-gram by default), on
+held-out prompts: the held-out standard-library code for the embedded default, or
+``eval.dataset``. What is printed (acceptance length, per-position rates, speedup against
+autoregressive decoding at the same batch size) is what ``results.json`` / W&B get, from
+``infer.eval.harness.run_harness``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from infer.harness import HarnessConfig, HarnessReport, load_prompts, render_prompt, run_harness
+from infer.eval.harness import HarnessConfig, expand_matrix, run_harness
+from infer.eval.prompt_sets import load_prompts, render_prompt
+from infer.eval.results import HarnessReport
 from infer.tracking import Logger
 from train.config import TrainConfig
 
@@ -21,37 +24,38 @@ def eval_prompts(cfg: TrainConfig, target_dir: str) -> list[Any]:
     (each sent as one user message, as the drafter saw its training prompts)."""
     from transformers import AutoTokenizer
 
-    from train.data import heldout_prompts
+    from train.tiny.examples import heldout_prompts
 
     ev = cfg.eval
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     if ev.dataset:
         return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
-                            tokenizer=tokenizer)
-    return [render_prompt([{"role": "user", "content": p}], True, tokenizer)
+                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat)
+    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat)
             for p in heldout_prompts(ev.num_prompts, seed=cfg.seed)]
 
 
 def harness_configs(cfg: TrainConfig, drafter_spec: dict) -> list[HarnessConfig]:
-    """The drafter (labelled by the recipe name) and each baseline method, at every ``eval.ks``."""
-    methods = [(cfg.name, {k: v for k, v in drafter_spec.items()
-                           if k != "num_speculative_tokens"})]
-    methods += [(m, {"method": m}) for m in cfg.eval.baselines]
-    return [HarnessConfig(spec, k, batch_size=cfg.eval.batch_size, method=label)
-            for label, spec in methods for k in cfg.eval.ks]
+    """The drafter (labelled by the recipe name) and each of ``eval.methods``, at every
+    ``eval.ks`` x ``eval.temperatures`` x ``eval.batch_sizes``."""
+    drafter = {"name": cfg.name, **{k: v for k, v in drafter_spec.items()
+                                     if k != "num_speculative_tokens"}}
+    ev = cfg.eval
+    return expand_matrix([drafter, *ev.methods], ev.ks, ev.temperatures, ev.batch_sizes)
 
 
 def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logger,
              step: int | None = None, device: str = "auto") -> HarnessReport:
-    """Run the harness, write ``<run_dir>/eval`` (results.json, results.md, plots), print a
-    summary, log to ``logger``."""
-    out = cfg.run_dir / "eval"
+    """Run the harness, write ``eval.output_dir`` (default ``<run_dir>/eval``: results.json,
+    results.md, plots), print a summary, log to ``logger``."""
+    ev = cfg.eval
+    out = ev.output_dir or cfg.run_dir / "eval"
     report = run_harness(target_dir, harness_configs(cfg, drafter_spec),
-                         eval_prompts(cfg, target_dir), max_tokens=cfg.eval.max_tokens,
+                         eval_prompts(cfg, target_dir), max_tokens=ev.max_tokens,
                          output_dir=out, logger=logger, device=device, seed=cfg.seed,
-                         step=step, prefix="eval")
+                         ignore_eos=ev.ignore_eos, warmup=ev.warmup, step=step, prefix="eval")
     print(summary(report))
-    print(f"acceptance report: {out / 'results.md'}")
+    print(f"acceptance report: {out}/results.md")
     return report
 
 
@@ -67,4 +71,3 @@ def summary(report: HarnessReport) -> str:
     if not report.lossless:
         lines.append("LOSSLESS CHECK FAILED: a greedy speculative output differed (results.md)")
     return "\n".join(lines)
-

@@ -1,13 +1,15 @@
 """Target features for drafter training: online capture or an offline safetensors cache.
 
-``capture(target, batch, spec)`` runs the frozen native target (``infer.models.load_model``) over
-a packed batch with the block-diagonal document mask and adds what the objective's
-``FeatureSpec`` asks for (``aux`` and / or ``hidden``; see ``train/objectives/base.py``).
+``FrozenTarget`` is a run's frozen target: its heads (embedding + LM head, what objectives share)
+load first, the full model only when features must be computed, and both are kept for every
+stage of the run. ``capture(model, batch, spec)`` runs the native target over a packed batch with
+the block-diagonal document mask and adds what the objective's ``FeatureSpec`` asks for (``aux``
+and / or ``hidden``; see ``train/objectives/base.py``).
 
 Online mode runs it inside every step (``OnlineFeatures``). Offline mode runs it once over the
 whole dataset (``build_feature_cache``: sharded, resumable, split across ranks) and trains from
-``CachedFeatureRows`` with only the target's heads in memory (``load_target_heads``).
-``make_feature_source`` picks between them from the train config.
+``CachedFeatureRows`` with only the target's heads in memory. ``make_feature_source`` picks
+between them from the features config and returns the ``FeatureSource`` the trainer reads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -29,10 +32,13 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from infer.atomic import atomic_file, write_text
 from infer.models.llama import Llama
 from infer.models.loader import (load_config, load_model, native_name, resolve_dtype,
                                  resolve_model_dir, weight_files)
-from infer.validation import config_error
+from infer.validation import check_choice, config_error
+from train import fingerprint
+from train.config import FeatureMode, FeaturesConfig, StorageDtype
 from train.data import collate, document_attention_mask
 from train.objectives.base import FeatureSpec, TargetHeads
 
@@ -50,7 +56,7 @@ def capture(target: Llama, batch: dict[str, Tensor], spec: FeatureSpec) -> dict[
     out = target.forward_train(batch["input_ids"], batch["position_ids"],
                                document_attention_mask(batch["doc_ids"]),
                                aux_layer_ids=spec.aux_layer_ids,
-                               logits_at=batch["input_ids"].new_zeros(batch["input_ids"].shape[0], 1))
+                               logits_at=batch["input_ids"].new_zeros(len(batch["input_ids"]), 1))
     batch = dict(batch)
     if spec.aux_layer_ids:
         batch["aux"] = torch.cat(out.aux, dim=-1)  # [B, T, n * H], sorted id order
@@ -99,6 +105,45 @@ def load_target_heads(target_dir: str | Path, dtype: str | torch.dtype = "auto",
     lm_head.weight = embed.weight if config.tie_word_embeddings else nn.Parameter(
         found["lm_head.weight"], requires_grad=False)  # [V, H]
     return TargetHeads(config, embed, lm_head)
+
+
+class FrozenTarget:
+    """A training run's frozen target, loaded once for all its stages.
+
+    ``heads`` (embedding + LM head, ``load_target_heads``) is all an objective borrows and all
+    offline training keeps in memory; ``model`` (the whole target, sharing those two tensors)
+    loads on first use: online capture, or cache shards still to compute. ``dtype`` "auto" =
+    bfloat16 on GPU, float32 on CPU. ``release()`` drops the model (offline training, once the
+    caches are complete).
+    """
+
+    def __init__(self, target_dir: str | Path, dtype: str | torch.dtype,
+                 device: str | torch.device) -> None:
+        self.dir, self.device = str(target_dir), torch.device(device)
+        if str(dtype) == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = str(dtype).removeprefix("torch.")
+        self._model: Llama | None = None
+
+    @cached_property
+    def heads(self) -> TargetHeads:
+        return load_target_heads(self.dir, self.dtype, self.device)
+
+    @property
+    def model(self) -> Llama:
+        if self._model is None:
+            model = load_model(self.dir, dtype=self.dtype, device=self.device)
+            model.embed_tokens, model.lm_head = self.heads.embed_tokens, self.heads.lm_head
+            self._model = model  # one copy of the heads in memory
+        return self._model
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the whole model is in memory."""
+        return self._model is not None
+
+    def release(self) -> None:
+        self._model = None
 
 
 # ============================================================================= offline cache
@@ -168,12 +213,11 @@ def cache_fingerprint(target_dir: str | Path, dataset: datasets.Dataset, spec: F
 
 def _check_fingerprint(cached: dict, current: dict, cache_dir: Path, where: str,
                        keys=None) -> None:
-    for key in keys or sorted(set(cached) | set(current)):
-        if key != "target" and cached.get(key) != current.get(key):
-            raise ValueError(
-                f"feature cache {cache_dir} ({where}) was built for a different {key!r}: cache "
-                f"has {cached.get(key)!r}, this run has {current.get(key)!r}. Delete {cache_dir} "
-                "to rebuild it, or set features.cache_dir to another directory")
+    """The cache's recorded inputs must be this run's (its ``target`` path is not compared)."""
+    fingerprint.check(cached, current, subject=f"feature cache {cache_dir} ({where})",
+                      held="cache has", keys=keys, ignore=("target",),
+                      remedy=f"Delete {cache_dir} to rebuild it, or set features.cache_dir to "
+                             "another directory")
 
 
 def _feature_dims(spec: FeatureSpec, hidden_size: int) -> dict[str, int]:
@@ -243,24 +287,22 @@ def _shard_ok(path: Path, start: int, stop: int, fp: dict, shapes: dict, rows_sh
     return (found, meta.get("start"), meta.get("stop")) == (shapes, str(start), str(stop))
 
 
-def build_feature_cache(target_dir: str | Path, dataset: datasets.Dataset, spec: FeatureSpec,
+def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: FeatureSpec,
                         cache_dir: str | Path, *, dtype: str = "bfloat16",
-                        rows_per_shard: int = 256, batch_size: int = 4,
-                        device: str | torch.device = "cpu",
-                        target_dtype: str | torch.dtype = "auto", rank: int = 0,
+                        rows_per_shard: int = 256, batch_size: int = 4, rank: int = 0,
                         world_size: int = 1, progress: bool = True,
                         barrier: Callable[[], None] | None = None) -> Path:
     """Precompute the target features of every packed row into ``cache_dir`` (layout above).
 
     Resumable: shards are written atomically and complete matching ones are skipped, so rerunning
-    after an interruption computes only the missing shards (the target is not even loaded when
-    none is missing). Shard i is computed by rank ``i % world_size``; after ``barrier()`` rank 0
-    writes ``index.json``, then every rank waits at a second ``barrier()``. Returns the cache dir.
+    after an interruption computes only the missing shards (the target model is not even loaded
+    when none is missing). Shard i is computed by rank ``i % world_size``; after ``barrier()``
+    rank 0 writes ``index.json``, then every rank waits at a second ``barrier()``. Returns the
+    cache dir.
     """
     if not spec.needs_target:
         raise ValueError(f"build_feature_cache: {spec} asks for no target features")
-    if dtype not in STORAGE_DTYPES:
-        raise config_error("features.dtype", dtype, f"one of {', '.join(STORAGE_DTYPES)}")
+    dtype = str(check_choice("features.dtype", dtype, StorageDtype, "train config"))
     for key, value in (("features.rows_per_shard", rows_per_shard),
                        ("features.batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
@@ -269,8 +311,8 @@ def build_feature_cache(target_dir: str | Path, dataset: datasets.Dataset, spec:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     cache, barrier = Path(cache_dir), barrier or (lambda: None)
     cache.mkdir(parents=True, exist_ok=True)
-    fp = cache_fingerprint(target_dir, dataset, spec, dtype, target_dtype, rows_per_shard)
-    dims = _feature_dims(spec, load_config(target_dir).hidden_size)
+    fp = cache_fingerprint(target.dir, dataset, spec, dtype, target.dtype, rows_per_shard)
+    dims = _feature_dims(spec, load_config(target.dir).hidden_size)
     n, T = fp["num_rows"], fp["seq_len"]
     if (cache / "index.json").is_file():
         index = json.loads((cache / "index.json").read_text())
@@ -286,9 +328,8 @@ def build_feature_cache(target_dir: str | Path, dataset: datasets.Dataset, spec:
               f"{len(shards)} shards of {rows_per_shard} rows; rank 0 computes {len(todo)}",
               flush=True)
     if todo:
-        _compute_shards(target_dir, dataset, spec, cache, todo, dims, fp, dtype=dtype,
-                        batch_size=batch_size, device=device, target_dtype=target_dtype,
-                        progress=progress, desc=f"features (rank {rank})")
+        _compute_shards(target, dataset, spec, cache, todo, dims, fp, dtype=dtype,
+                        batch_size=batch_size, progress=progress, desc=f"features (rank {rank})")
     barrier()
     if rank == 0:
         _write_index(cache, shards, fp, dims, world_size)
@@ -296,35 +337,33 @@ def build_feature_cache(target_dir: str | Path, dataset: datasets.Dataset, spec:
     return cache
 
 
-def _compute_shards(target_dir, dataset, spec, cache: Path, todo, dims, fp, *, dtype, batch_size,
-                    device, target_dtype, progress, desc) -> None:
+def _compute_shards(target: FrozenTarget, dataset, spec, cache: Path, todo, dims, fp, *, dtype,
+                    batch_size, progress, desc) -> None:
     """Target forwards (``capture``) over the rows of ``todo`` shards, streamed to disk."""
-    target = load_model(target_dir, dtype=target_dtype, device=device)
     rows, T, storage = PlainRows(dataset), fp["seq_len"], STORAGE_DTYPES[dtype][0]
     bar = tqdm(total=sum(b - a for _, a, b in todo), unit="row", desc=desc, disable=not progress)
     try:
         for i, a, b in todo:
-            tmp = cache / f".{_shard_name(i)}.tmp-{os.getpid()}"
             meta = {"format": str(FORMAT_VERSION), "fingerprint": json.dumps(fp, sort_keys=True),
                     "start": str(a), "stop": str(b),
                     "rows_sha": _rows_digest(dataset, range(a, b))}
-            writer = _ShardWriter(tmp, {k: (b - a, T, d) for k, d in dims.items()}, dtype, meta)
-            try:
-                for s in range(a, b, batch_size):
-                    e = min(s + batch_size, b)
-                    batch = collate([rows[j] for j in range(s, e)], pad_id=0)  # [B, T] each
-                    out = capture(target, {k: v.to(device) for k, v in batch.items()}, spec)
-                    for k in dims:
-                        writer.write(k, s - a, out[k].to(storage).cpu())  # [B, T, D]
-                    bar.update(e - s)
-                writer.close()
-                os.replace(tmp, cache / _shard_name(i))
-            finally:
-                writer.file.close()
-                tmp.unlink(missing_ok=True)
+            with atomic_file(cache / _shard_name(i)) as tmp:
+                writer = _ShardWriter(tmp, {k: (b - a, T, d) for k, d in dims.items()}, dtype,
+                                      meta)
+                try:
+                    for s in range(a, b, batch_size):
+                        e = min(s + batch_size, b)
+                        batch = collate([rows[j] for j in range(s, e)], pad_id=0)  # [B, T] each
+                        batch = {k: v.to(target.device) for k, v in batch.items()}
+                        out = capture(target.model, batch, spec)
+                        for k in dims:
+                            writer.write(k, s - a, out[k].to(storage).cpu())  # [B, T, D]
+                        bar.update(e - s)
+                    writer.close()
+                finally:
+                    writer.file.close()
     finally:
         bar.close()
-        del target
 
 
 def _write_index(cache: Path, shards, fp: dict, dims: dict, world_size: int) -> None:
@@ -341,9 +380,7 @@ def _write_index(cache: Path, shards, fp: dict, dims: dict, world_size: int) -> 
         entries.append({"file": _shard_name(i), "start": a, "stop": b, "rows_sha": rows_sha,
                         "bytes": (cache / _shard_name(i)).stat().st_size})
     index = {"format": FORMAT_VERSION, "fingerprint": fp, "dims": dims, "shards": entries}
-    tmp = cache / f".index.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, cache / "index.json")
+    write_text(cache / "index.json", json.dumps(index, indent=1))
 
 
 # ============================================================================= row datasets
@@ -432,42 +469,28 @@ def _identity(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 
 @dataclass
 class FeatureSource:
-    """Everything the trainer needs about the target: rows, per-batch hook, heads, target."""
+    """What the trainer reads: ``rows`` (packed rows, cached features included offline) and
+    ``add_features``, applied to every batch on the device (online: the target forward)."""
 
     rows: torch.utils.data.Dataset
     add_features: Callable[[dict[str, Tensor]], dict[str, Tensor]]
-    heads: TargetHeads
-    target: Llama | None = None  # loaded only for online capture
 
 
-def make_feature_source(cfg, target_dir: str | Path, dataset: datasets.Dataset,
-                        spec: FeatureSpec | Callable[[TargetHeads], FeatureSpec], *,
-                        device: str | torch.device, rank: int = 0, world_size: int = 1,
+def make_feature_source(features: FeaturesConfig, target: FrozenTarget,
+                        dataset: datasets.Dataset, spec: FeatureSpec, cache_dir: str | Path, *,
+                        rank: int = 0, world_size: int = 1,
                         barrier: Callable[[], None] | None = None) -> FeatureSource:
-    """Online (target forward per batch) or offline (cache built / resumed here) features.
-
-    The heads are read first (``load_target_heads``), so ``spec`` may be a callable of them:
-    objectives need the heads to be built and only then tell their spec. Online, the loaded
-    target then shares those heads (one copy in memory). A spec without target features loads
-    nothing beyond the heads. ``cfg.target.dtype`` auto = bfloat16 on GPU, float32 on CPU.
-    """
-    mode, device = cfg.features.mode, torch.device(device)
-    if mode not in ("online", "offline"):
-        raise config_error("features.mode", mode, "online or offline", "train config")
-    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else (
-        "bfloat16" if device.type == "cuda" else "float32")
-    heads = load_target_heads(target_dir, dtype, device)
-    spec = spec if isinstance(spec, FeatureSpec) else spec(heads)
+    """Online (``target.model`` runs per batch) or offline (the cache in ``cache_dir`` built or
+    resumed here) features of ``dataset`` for ``spec``; no target forward at all when the spec
+    asks for no features."""
+    mode = check_choice("features.mode", features.mode, FeatureMode, "train config")
     if not spec.needs_target:
-        return FeatureSource(PlainRows(dataset), _identity, heads)
-    if mode == "online":
-        target = load_model(target_dir, dtype=dtype, device=device)
-        target.embed_tokens, target.lm_head = heads.embed_tokens, heads.lm_head  # same tensors
-        return FeatureSource(PlainRows(dataset), OnlineFeatures(target, spec), heads, target)
-    f = cfg.features
+        return FeatureSource(PlainRows(dataset), _identity)
+    if mode == FeatureMode.online:
+        return FeatureSource(PlainRows(dataset), OnlineFeatures(target.model, spec))
     cache = build_feature_cache(
-        target_dir, dataset, spec, f.cache_dir or cfg.run_dir / "features", dtype=f.dtype,
-        rows_per_shard=f.rows_per_shard, batch_size=f.batch_size, device=device,
-        target_dtype=dtype, rank=rank, world_size=world_size, barrier=barrier)
+        target, dataset, spec, cache_dir, dtype=features.dtype,
+        rows_per_shard=features.rows_per_shard, batch_size=features.batch_size, rank=rank,
+        world_size=world_size, barrier=barrier)
     return FeatureSource(CachedFeatureRows(cache, dataset, spec),
-                         CastFeatures(heads.lm_head.weight.dtype), heads)
+                         CastFeatures(target.heads.lm_head.weight.dtype))

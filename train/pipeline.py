@@ -1,30 +1,37 @@
-"""The training job's stages, in the order ``python train.py`` runs them.
+"""The training job, in the order ``python train.py`` runs it (``run``):
 
-target (the embedded tiny target is built when none is given) -> dataset (shuffled, capped)
--> optional regeneration of the answers by the target -> chat template + assistant-only loss
-masks + packing -> draft vocabulary (both saved under ``<run_dir>/data``) -> objective (the
-method's registered class) -> target features (online: the frozen target runs inside each step;
-offline: a sharded safetensors cache computed once) -> trainer (accelerate) -> deployment-format
-checkpoint at ``<run_dir>/final`` -> acceptance harness on held-out prompts.
+1. data: target directory (the embedded tiny target is built when none is given) -> dataset
+   (shuffled, capped) -> optional regeneration of the answers by the target -> chat template +
+   assistant-only loss masks + packing -> draft vocabulary (saved under ``<run_dir>/data``);
+2. the frozen target's heads (``FrozenTarget``: embedding + LM head; the full model only when
+   features are computed);
+3. the objective (the method's registered class, built on those heads);
+4. per training stage the objective lists (``Objective.stages``): that stage's rows -> the
+   feature source for the objective's ``FeatureSpec`` (online: the frozen target runs inside each
+   step; offline: a sharded safetensors cache computed once) -> the trainer (accelerate);
+5. export: the deployment-format checkpoint at ``<run_dir>/final``;
+6. evaluation: the acceptance harness on held-out prompts.
 
 With several processes (``accelerate launch``) every rank runs this file; data preparation and
 the tiny-target build happen on the main process first (the others then read the caches), the
-offline feature cache is split across ranks, and the evaluation runs on the main process.
+offline feature cache is split across ranks, and export and evaluation run on the main process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
+from infer.atomic import atomic_dir
 from infer.models.loader import load_config
-from train.config import TrainConfig
-from train.data import build_default_dataset, load_source, pad_token_id, prepare_dataset
+from train.config import FeatureMode, TrainConfig
+from train.data import load_source, pad_token_id, prepare_dataset
+from train.features import FeatureSource, FrozenTarget, make_feature_source
+from train.objectives.base import OBJECTIVES, Objective, Stage, StageData
+from train.tiny.examples import build_default_dataset
 from train.vocab import DraftVocab, build_draft_vocab
 
 
@@ -34,8 +41,52 @@ class PreparedData:
     dataset: datasets.Dataset  # packed rows: input_ids, loss_mask, position_ids, doc_ids
     vocab: DraftVocab
     data_dir: Path
-    raw: datasets.Dataset | None = None  # the examples before tokenization (for stage 2)
+    raw: datasets.Dataset | None = None  # the examples before tokenization (for later stages)
 
+
+@dataclass
+class RunResult:
+    final_dir: Path
+    train: object  # train.trainer.TrainResult of the last stage
+    report: object = None  # infer.eval.results.HarnessReport (None: eval off / not rank 0)
+
+
+def run(cfg: TrainConfig) -> RunResult:
+    """``python train.py``: every stage, then the acceptance report (see the module doc)."""
+    from accelerate import PartialState
+    from accelerate.utils import set_seed
+
+    from train.trainer import use_cpu
+
+    state = PartialState(cpu=use_cpu(cfg.trainer))
+    set_seed(cfg.seed)
+    with state.main_process_first():
+        prepared = prepare_data(cfg, save=state.is_main_process)
+    print(f"target: {prepared.target_dir}\ndraft vocabulary: {prepared.vocab.draft_vocab_size} "
+          f"tokens -> {prepared.data_dir}")
+    target = FrozenTarget(prepared.target_dir, cfg.target.dtype, state.device)
+    objective = OBJECTIVES.get(cfg.drafter.method)(cfg, target.heads, prepared.vocab,
+                                                   prepared.target_dir)
+    logger = _make_logger(cfg, state)
+    try:
+        stages, step = objective.stages(), 0
+        for stage in stages:
+            rows = stage_rows(cfg, stage, prepared, state)
+            source = feature_source(cfg, target, objective, rows, stage, state)
+            result = train_stage(cfg, objective, source, stage, prepared, logger,
+                                 last=stage is stages[-1])
+            step += result.step  # W&B steps must not go backwards
+        export(objective, result, cfg.final_dir, state)
+        report = None
+        if cfg.eval.enabled and state.is_main_process:
+            report = evaluate_drafter(cfg, prepared.target_dir, objective, logger, step)
+    finally:
+        logger.finish()
+    print(f"final drafter: {cfg.final_dir}")
+    return RunResult(cfg.final_dir, result, report)
+
+
+# ---- 1. data ---------------------------------------------------------------------------------
 
 def resolve_target(cfg: TrainConfig) -> str:
     """The target directory: the configured one, or the embedded tiny target (built if needed)."""
@@ -47,7 +98,7 @@ def resolve_target(cfg: TrainConfig) -> str:
             raise FileNotFoundError(f"target.path={cfg.target.path!r} is not a directory "
                                     "(a Hugging Face model directory is expected)")
         return download(cfg.target.path, "target.path")
-    from train.tiny_target_build import ensure_tiny_target
+    from train.tiny.build import ensure_tiny_target
 
     return str(ensure_tiny_target())
 
@@ -102,7 +153,8 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = T
     vocab = build_draft_vocab(ds, vocab_size, min(cfg.drafter.draft_vocab_size, vocab_size))
     data_dir = cfg.run_dir / "data"
     if save:
-        _save_dataset_atomically(ds, data_dir / "dataset")
+        with atomic_dir(data_dir / "dataset") as tmp:
+            ds.save_to_disk(str(tmp))
         vocab.save(data_dir)
     return PreparedData(target_dir, ds, vocab, data_dir, raw)
 
@@ -114,107 +166,73 @@ def tokenize(cfg: TrainConfig, raw: datasets.Dataset, tokenizer) -> datasets.Dat
                            pack=d.pack, num_proc=d.num_proc, seed=d.seed, shuffle=False)
 
 
-def _save_dataset_atomically(ds: datasets.Dataset, dest: Path) -> None:
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(str(tmp))
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(tmp, dest)
+# ---- 4. stages -------------------------------------------------------------------------------
 
-
-# ---- the whole job ---------------------------------------------------------------------------
-
-def build_objective(cfg: TrainConfig, prepared: PreparedData, state):
-    """The method's objective and its feature source (online target or offline cache).
-
-    The heads are loaded first (the objective is built on them), then the objective tells which
-    features it needs (``train.features.make_feature_source`` takes the spec as a callable).
-    """
-    from train.objectives.base import get_objective
-
-    cls = get_objective(cfg.drafter.method)
-    built = []
-
-    def spec(heads):
-        built.append(cls(cfg, heads, prepared.vocab, prepared.target_dir))
-        return built[0].feature_spec()
-
-    source = feature_source(cfg, prepared, state, spec)
-    return built[0], source
-
-
-def feature_source(cfg: TrainConfig, prepared: PreparedData, state, spec):
-    from train.features import make_feature_source
-
-    return make_feature_source(cfg, prepared.target_dir, prepared.dataset, spec,
-                               device=state.device, rank=state.process_index,
-                               world_size=state.num_processes, barrier=state.wait_for_everyone)
-
-
-def stage2(cfg: TrainConfig, prepared: PreparedData, state) -> PreparedData:
-    """Stage-2 data: the same prompts, answered by the target itself (MLP speculator recipe)."""
+def stage_rows(cfg: TrainConfig, stage: Stage, prepared: PreparedData,
+               state) -> datasets.Dataset:
+    """The packed rows a stage trains on: the prepared data, or the same prompts answered by
+    the target itself (regenerated under ``<run_dir>/<stage>_data``)."""
+    if stage.data == StageData.dataset:
+        return prepared.dataset
     from transformers import AutoTokenizer
 
     with state.main_process_first():
-        raw = regenerated(cfg, prepared.target_dir, prepared.raw, "stage2_data")
-        ds = tokenize(cfg, raw, AutoTokenizer.from_pretrained(prepared.target_dir))
-    return dataclasses.replace(prepared, dataset=ds, raw=raw)
+        raw = regenerated(cfg, prepared.target_dir, prepared.raw, f"{stage.name}_data")
+        return tokenize(cfg, raw, AutoTokenizer.from_pretrained(prepared.target_dir))
 
 
-@dataclass
-class RunResult:
-    final_dir: Path
-    train: object  # train.trainer.TrainResult of the last stage
-    report: object = None  # infer.harness.HarnessReport (None when eval is off / not rank 0)
+def feature_source(cfg: TrainConfig, target: FrozenTarget, objective: Objective,
+                   rows: datasets.Dataset, stage: Stage, state) -> FeatureSource:
+    """The stage's rows with the objective's target features. Offline, the target model is
+    in memory only while a cache is filled (training then needs only the heads)."""
+    base = cfg.features.cache_dir or cfg.run_dir / "features"
+    cache_dir = base if stage.name == "main" else f"{base}_{stage.name}"
+    source = make_feature_source(cfg.features, target, rows, objective.feature_spec(), cache_dir,
+                                 rank=state.process_index, world_size=state.num_processes,
+                                 barrier=state.wait_for_everyone)
+    if cfg.features.mode == FeatureMode.offline:
+        target.release()
+    return source
 
 
-def run(cfg: TrainConfig) -> RunResult:
-    """``python train.py``: every stage, then the acceptance report."""
-    from accelerate import PartialState
-    from accelerate.utils import set_seed
+def train_stage(cfg: TrainConfig, objective: Objective, source: FeatureSource, stage: Stage,
+                prepared: PreparedData, logger, last: bool):
+    """The trainer on one stage (its ``trainer`` overrides applied); the last stage also gathers
+    the objective's state for the export."""
     from transformers import AutoTokenizer
 
-    from infer.tracking import make_logger
+    from train.trainer import train
+
+    stage_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
+                                                                     **stage.trainer))
+    pad_id = pad_token_id(AutoTokenizer.from_pretrained(prepared.target_dir))
+    return train(stage_cfg, objective, source, pad_id=pad_id, run_dir=cfg.run_dir, logger=logger,
+                 stage=stage.name, gather_state=last)
+
+
+# ---- 5. export, 6. evaluation ----------------------------------------------------------------
+
+def export(objective: Objective, result, final_dir: Path, state) -> None:
+    """The trained drafter in its deployment format at ``final_dir`` (main process, atomic)."""
+    from train.checkpoint import export_atomically
+
+    if state.is_main_process:
+        export_atomically(objective, result.state_dict, final_dir)
+    state.wait_for_everyone()
+
+
+def evaluate_drafter(cfg: TrainConfig, target_dir: str, objective: Objective, logger, step: int):
+    """The exported drafter through the acceptance harness (train/evaluate.py)."""
     from train.evaluate import evaluate
-    from train.trainer import train, use_cpu
 
-    state = PartialState(cpu=use_cpu(cfg.trainer))
-    set_seed(cfg.seed)
-    with state.main_process_first():
-        target_dir = resolve_target(cfg)
-        prepared = prepare_data(cfg, target_dir, save=state.is_main_process)
-    print(f"target: {target_dir}\ndraft vocabulary: {prepared.vocab.draft_vocab_size} tokens "
-          f"-> {prepared.data_dir}")
-    pad_id = pad_token_id(AutoTokenizer.from_pretrained(target_dir))
-    objective, feats = build_objective(cfg, prepared, state)
-    logger = make_logger(cfg.logger.kind, rank=state.process_index, project=cfg.logger.project,
-                         name=cfg.logger.run_name or cfg.name, config=dataclasses.asdict(cfg),
-                         dir=cfg.run_dir, mode=cfg.logger.mode, job_type="train")
-    two_stage = cfg.objective.stage2_steps > 0
-    try:
-        result = train(cfg, objective, feats.rows, feats.add_features, pad_id=pad_id,
-                       run_dir=cfg.run_dir, final_dir=None if two_stage else cfg.final_dir,
-                       logger=logger)
-        step = result.step
-        if two_stage:
-            cfg2 = dataclasses.replace(
-                cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=cfg.objective.stage2_steps,
-                                                 warmup_steps=0, warmup_ratio=0.0),
-                features=dataclasses.replace(cfg.features, cache_dir=(
-                    f"{cfg.features.cache_dir or cfg.run_dir / 'features'}_stage2")))
-            feats = feature_source(cfg2, stage2(cfg, prepared, state), state,
-                                   objective.feature_spec())
-            result = train(cfg2, objective, feats.rows, feats.add_features, pad_id=pad_id,
-                           run_dir=cfg.run_dir, final_dir=cfg.final_dir, logger=logger,
-                           stage="stage2")
-            step += result.step  # W&B steps must not go backwards
-        report = None
-        if cfg.eval.enabled and state.is_main_process:
-            k = max(cfg.eval.ks)
-            report = evaluate(cfg, target_dir, objective.speculative_config(cfg.final_dir, k),
-                              logger, step=step, device=cfg.trainer.device)
-    finally:
-        logger.finish()
-    print(f"final drafter: {cfg.final_dir}")
-    return RunResult(cfg.final_dir, result, report)
+    k = max(cfg.eval.ks)
+    return evaluate(cfg, target_dir, objective.speculative_config(cfg.final_dir, k), logger,
+                    step=step, device=cfg.trainer.device)
+
+
+def _make_logger(cfg: TrainConfig, state):
+    from infer.tracking import make_logger
+
+    return make_logger(cfg.logger.kind, rank=state.process_index, project=cfg.logger.project,
+                       name=cfg.logger.run_name or cfg.name, config=dataclasses.asdict(cfg),
+                       dir=cfg.run_dir, mode=cfg.logger.mode, job_type="train")

@@ -35,8 +35,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,7 +43,9 @@ from typing import Any, Callable
 import datasets
 from tqdm.auto import tqdm
 
+from infer.atomic import atomic_dir, write_text
 from infer.validation import check_float, check_int
+from train import fingerprint
 from train.data_formats import (SkipRow, added_special_tokens, detect_format, render,
                                 row_to_messages)
 
@@ -76,7 +76,7 @@ def _target_digest(target_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(dataset: datasets.Dataset, target_dir: str, cfg, fmt: str, seed: int,
+def inputs_fingerprint(dataset: datasets.Dataset, target_dir: str, cfg, fmt: str, seed: int,
                 chunk_size: int) -> dict[str, Any]:
     """Everything that changes the regenerated rows (a resumed run must match all of it)."""
     return {"version": _VERSION, "target_dir": str(Path(target_dir).resolve()),
@@ -90,24 +90,12 @@ def fingerprint(dataset: datasets.Dataset, target_dir: str, cfg, fmt: str, seed:
 def _check_fingerprint(out_dir: Path, fp: dict[str, Any]) -> None:
     path = out_dir / "fingerprint.json"
     if not path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps(fp, indent=2))
+        write_text(path, json.dumps(fp, indent=2))
         return
-    old = json.loads(path.read_text())
-    for key, value in fp.items():
-        if old.get(key) != value:
-            raise ValueError(f"{_WHERE}: {out_dir} holds answers regenerated with {key}="
-                             f"{old.get(key)!r}, this run has {key}={value!r}; delete {out_dir} "
-                             "(or use another directory) to regenerate from scratch")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    fingerprint.check(json.loads(path.read_text()), fp, keys=list(fp),
+                      subject=f"{_WHERE}: {out_dir}", held="its answers have",
+                      remedy=f"Delete {out_dir} (or use another directory) to regenerate from "
+                             "scratch.")
 
 
 # ----------------------------------------------------------------------------- rows <-> jobs
@@ -287,7 +275,7 @@ def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | P
                          f"{dataset.column_names}); regeneration needs a chat (openai, sharegpt) "
                          "or prompt_completion dataset, or regenerate.enabled=false")
     out_dir = Path(out_dir)
-    _check_fingerprint(out_dir, fingerprint(dataset, target_dir, cfg, fmt, seed, chunk_size))
+    _check_fingerprint(out_dir, inputs_fingerprint(dataset, target_dir, cfg, fmt, seed, chunk_size))
     final = out_dir / "dataset"
     if final.is_dir():
         return datasets.load_from_disk(str(final))
@@ -326,11 +314,11 @@ def _generate_chunks(dataset, target_dir, cfg, out_dir: Path, fmt: str, seed: in
             counts = gen.rewrite(jobs, chunk_seed=seed * 1_000_003 + i, progress=tick)
             counts.rows_skipped = sum(j is None for j in jobs)
             run.add(counts)
-            _write_atomic(_chunk_path(out_dir, i), "".join(
+            write_text(_chunk_path(out_dir, i), "".join(
                 json.dumps(write_back(r, fmt, j), ensure_ascii=False, default=str) + "\n"
                 for r, j in zip(raw, jobs)))
             stats[str(i)] = asdict(counts)
-            _write_atomic(stats_path, json.dumps(stats, indent=1))
+            write_text(stats_path, json.dumps(stats, indent=1))
     finally:
         bar.close()
     seconds, every = time.perf_counter() - start, Counts()
@@ -348,11 +336,6 @@ def _combine(out_dir: Path, n_chunks: int, features: datasets.Features) -> datas
             for line in _chunk_path(out_dir, i).read_text(encoding="utf-8").split("\n") if line]
     ds = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in features},
                                     features=features)
-    final, tmp = out_dir / "dataset", out_dir / f".dataset.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out_dir / "dataset") as tmp:
         ds.save_to_disk(str(tmp))
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return datasets.load_from_disk(str(final))
+    return datasets.load_from_disk(str(out_dir / "dataset"))

@@ -1,15 +1,12 @@
 """The training loop: accelerate (one CPU, DDP, FSDP, DeepSpeed ZeRO) around an ``Objective``.
 
-``train`` is the whole loop: rows -> seeded, resumable DataLoader -> batch on the device ->
-``add_features`` (online target features) -> ``model(batch)`` through the prepared module
-(DDP / FSDP / DeepSpeed see the call, so gradients synchronise) -> accumulate -> clip -> AdamW
--> warmup + cosine / linear / constant schedule, with tqdm on rank 0, logging every ``log_every``
-steps, NaN/inf detection, atomic checkpoints and exact resume (train/checkpoint.py).
-
-Step accounting: ``step`` counts optimizer steps. An epoch is ``ceil(batches per rank /
-grad_accum)`` steps (accelerate syncs at the end of the dataloader, so an epoch's last window may
-be short). Host syncs: one per optimizer step (a four-number all-reduce of loss, tokens and grad
-norm, read back once), which NaN detection needs anyway; metrics stay on the device between logs.
+``train`` runs one stage the way torchtitan splits a loop: ``_StageLoop.micro_step`` (batch on
+the device -> ``add_features`` (online target features) -> ``model(batch)`` through the prepared
+module, so DDP / FSDP / DeepSpeed see the call and gradients synchronise -> backward),
+``optimizer_step`` (clip, divergence check, AdamW, warmup + cosine / linear / constant schedule),
+``log`` (every ``log_every`` steps; tqdm on rank 0) and ``checkpoint`` (atomic, exact resume:
+train/checkpoint.py). Budget and schedule: train/schedule.py; metrics and the one host sync per
+optimizer step: train/meter.py.
 
 Launch: ``python train.py`` (one process) or ``accelerate launch --config_file
 conf/accelerate/<ddp_8gpu|fsdp_8gpu|deepspeed_zero2_8gpu|cpu_2proc>.yaml train.py ...``.
@@ -31,13 +28,16 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from infer.tracking import Logger
-from infer.validation import check_float, check_int, config_error
+from infer.validation import check_choice, check_float, check_int, config_error
 from train import checkpoint as ckpt
+from train.config import Device, Precision, Schedule
 from train.data import collate
+from train.features import FeatureSource
+from train.fingerprint import digest
+from train.meter import Meter
+from train.schedule import Plan, lr_factor, set_hyperparameters  # noqa: F401 (lr_factor: API)
 
 TOKEN_FIELDS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
-SCHEDULES = ("cosine", "linear", "constant")
-PRECISIONS = ("auto", "no", "bf16", "fp16")
 ACC_KEYS = ("full_acc_0", "acc_0", "acc")  # shown in the progress bar, first found
 WHERE = "train config"
 
@@ -48,7 +48,8 @@ class TrainResult:
     tokens: int  # input tokens processed by all ranks in this stage
     tokens_per_s: float  # throughput of this session, all ranks
     metrics: dict[str, float] = field(default_factory=dict)  # last logged values, no prefix
-    final_dir: Path | None = None
+    state_dict: dict[str, Tensor] | None = None  # gathered objective state (``gather_state``;
+    # main process only): what ``checkpoint.export_atomically`` writes as the drafter
 
 
 class TrainingDiverged(RuntimeError):
@@ -79,47 +80,6 @@ class Collate:
         return batch
 
 
-# ---- learning-rate schedule -------------------------------------------------------------------
-
-def num_warmup_steps(tcfg, total: int) -> int:
-    """``warmup_steps`` when set, else ``round(warmup_ratio * total)``."""
-    return tcfg.warmup_steps if tcfg.warmup_steps > 0 else round(tcfg.warmup_ratio * total)
-
-
-def lr_factor(step: int, total: int, warmup: int, schedule: str, min_lr_ratio: float) -> float:
-    """Multiplier of ``trainer.lr`` for optimizer step ``step`` (0-based) of ``total``.
-
-    Warmup: steps ``0 .. warmup - 1`` rise linearly, ``(step + 1) / (warmup + 1)`` (no step is
-    wasted at lr 0), to the peak at step ``warmup``. Then ``schedule`` decays from 1 at step
-    ``warmup`` towards ``min_lr_ratio``, reached at ``total`` (just after the last step, which
-    therefore still learns): cosine or linear in ``(step - warmup) / (total - warmup)``; constant
-    stays at 1.
-    """
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
-    return min_lr_ratio + (1 - min_lr_ratio) * shape
-
-
-def _plan(tcfg, batches_per_epoch: int) -> dict[str, int]:
-    per_epoch = math.ceil(batches_per_epoch / tcfg.grad_accum)
-    total = tcfg.max_steps or max(1, math.ceil(tcfg.epochs * per_epoch))
-    return {"total": total, "per_epoch": per_epoch, "warmup": num_warmup_steps(tcfg, total)}
-
-
-def _set_hyperparameters(optimizer, scheduler, tcfg, plan, step: int) -> None:
-    """This run's lr / betas / weight decay on a (possibly restored) optimizer: a checkpoint
-    carries the old values, and resuming with new ones (lower lr after a divergence) is allowed."""
-    scheduler.base_lrs = [tcfg.lr] * len(scheduler.base_lrs)
-    factor = lr_factor(step, plan["total"], plan["warmup"], tcfg.schedule, tcfg.min_lr_ratio)
-    for group in optimizer.param_groups:
-        group.update(initial_lr=tcfg.lr, lr=tcfg.lr * factor, betas=tuple(tcfg.betas),
-                     weight_decay=tcfg.weight_decay if group.get("decay", True) else 0.0)
-
-
 # ---- setup -----------------------------------------------------------------------------------
 
 def use_cpu(tcfg) -> bool:
@@ -132,7 +92,7 @@ def use_cpu(tcfg) -> bool:
 def resolve_mixed_precision(tcfg) -> str:
     """``auto``: bf16 on a GPU that has it, else none (fp32 on CPU)."""
     if tcfg.mixed_precision != "auto":
-        return tcfg.mixed_precision
+        return str(tcfg.mixed_precision)
     if use_cpu(tcfg):
         return "no"
     return "bf16" if torch.cuda.is_bf16_supported() else "no"
@@ -187,81 +147,15 @@ def validate(tcfg, num_rows: int) -> None:
     check_float("trainer.weight_decay", tcfg.weight_decay, WHERE, low=0.0)
     if len(tcfg.betas) != 2 or not all(0 <= b < 1 for b in tcfg.betas):
         raise config_error("trainer.betas", list(tcfg.betas), "two numbers in [0, 1)", WHERE)
-    if tcfg.schedule not in SCHEDULES:
-        raise config_error("trainer.schedule", tcfg.schedule, " | ".join(SCHEDULES), WHERE)
-    if tcfg.mixed_precision not in PRECISIONS:
-        raise config_error("trainer.mixed_precision", tcfg.mixed_precision, " | ".join(PRECISIONS),
-                           WHERE)
-    if tcfg.device not in ("auto", "cpu", "cuda"):
-        raise config_error("trainer.device", tcfg.device, "auto | cpu | cuda", WHERE)
+    check_choice("trainer.schedule", tcfg.schedule, Schedule, WHERE)
+    check_choice("trainer.mixed_precision", tcfg.mixed_precision, Precision, WHERE)
+    check_choice("trainer.device", tcfg.device, Device, WHERE)
     if tcfg.device == "cuda" and not torch.cuda.is_available():
         raise config_error("trainer.device", "cuda", "auto or cpu (no CUDA device is visible)",
                            WHERE)
     if num_rows == 0:
         raise ValueError("train: the training dataset is empty (0 rows); check data.source and "
                          "data.max_length (rows without loss tokens are dropped)")
-
-
-# ---- per-step bookkeeping --------------------------------------------------------------------
-
-class _Meter:
-    """Running sums between host syncs: device tensors inside the micro-step, floats after the
-    one sync of each optimizer step, averaged over the log window (all micro-batches, all ranks)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._new_step()
-        self._new_window()
-
-    def _scalar(self, value: float) -> Tensor:
-        return torch.full((), float(value), device=self.device)  # a fill kernel: no copy, no sync
-
-    def _new_step(self) -> None:
-        self.loss = self._scalar(0)  # [] sum of micro-batch losses
-        self.micro, self.tokens = 0, 0
-
-    def _new_window(self) -> None:
-        self.sums: dict[str, Tensor] = {}  # metric -> [] sum over micro-batches
-        self.window_micro, self.steps, self.window_tokens = 0, 0, 0
-        self.loss_sum, self.gn_sum = 0.0, 0.0  # sums of per-step values (host floats)
-        self.t0 = time.perf_counter()
-
-    def add(self, out, batch: dict[str, Tensor]) -> None:
-        self.loss += out.loss.detach().float()
-        self.micro += 1
-        self.tokens += batch["input_ids"].numel()
-        self.window_micro += 1
-        for key, value in out.metrics.items():
-            self.sums[key] = self.sums.get(key, 0) + value.detach().float()
-
-    def end_step(self, accelerator, grad_norm) -> tuple[float, int, float]:
-        """The step's (loss, tokens, grad norm) over all ranks: the one host sync per step."""
-        if isinstance(grad_norm, Tensor):
-            gn = grad_norm.detach().float().reshape(()).to(self.device)
-        else:  # DeepSpeed reports a float (None before its first step)
-            gn = self._scalar(0.0 if grad_norm is None else grad_norm)
-        stats = torch.stack([self.loss, self._scalar(self.micro), self._scalar(self.tokens),
-                             gn])  # [4]
-        loss_sum, micro, tokens, gn_sum = accelerator.reduce(stats, "sum").tolist()
-        self._new_step()
-        loss, gn = loss_sum / micro, gn_sum / accelerator.num_processes
-        self.steps += 1
-        self.loss_sum, self.gn_sum, self.window_tokens = (
-            self.loss_sum + loss, self.gn_sum + gn, self.window_tokens + int(tokens))
-        return loss, int(tokens), gn
-
-    def log_values(self, accelerator) -> dict[str, float]:
-        """Window averages (rank mean of metrics); resets the window."""
-        keys = sorted(self.sums)
-        out: dict[str, float] = {}
-        if keys:
-            vec = torch.stack([self.sums[k] for k in keys]) / self.window_micro  # [K]
-            out = dict(zip(keys, accelerator.reduce(vec, "mean").tolist()))
-        seconds = max(time.perf_counter() - self.t0, 1e-9)
-        out.update(loss=self.loss_sum / self.steps, grad_norm=self.gn_sum / self.steps,
-                   tokens_per_s=self.window_tokens / seconds)
-        self._new_window()
-        return out
 
 
 @dataclass
@@ -274,129 +168,183 @@ class _Position:
 
 # ---- the loop --------------------------------------------------------------------------------
 
-def train(cfg, objective, rows: torch.utils.data.Dataset, add_features: Callable[[dict], dict],
-          *, pad_id: int, run_dir: Path, final_dir: Path | None, logger: Logger,
-          stage: str = "main", accelerator=None,
+def train(cfg, objective, source: FeatureSource, *, pad_id: int, run_dir: Path, logger: Logger,
+          stage: str = "main", gather_state: bool = False, accelerator=None,
           _on_step: Callable[[int], None] | None = None) -> TrainResult:
-    """Train ``objective`` on ``rows``; checkpoints under ``run_dir/checkpoints``; the drafter
-    exported to ``final_dir`` (when given). ``rows[i]``: packed-row fields (lists or ``[T]``
-    tensors) plus optional cached features (``[T, D]`` tensors). ``add_features(batch)`` runs on
-    the device batch (online target features; identity for an offline cache). ``stage`` names
-    the run's checkpoint folder and log prefix (``train/`` for "main"). ``_on_step(step)`` runs
-    after each optimizer step (tests use it to simulate a crash)."""
-    tcfg = cfg.trainer
-    validate(tcfg, len(rows))
-    acc = accelerator or make_accelerator(tcfg, cfg.seed)
-    if acc.gradient_accumulation_steps != tcfg.grad_accum:
-        raise config_error("trainer.grad_accum", tcfg.grad_accum,
-                           f"the accelerator's value ({acc.gradient_accumulation_steps}; remove "
-                           "gradient_accumulation_steps from the accelerate / DeepSpeed config)",
-                           WHERE)
-    _fill_deepspeed(acc, tcfg)
-    world, main = acc.num_processes, acc.is_main_process
-    root = ckpt.checkpoint_root(run_dir, stage)
-    compat = ckpt.compat_config(cfg, stage, world)
-
-    raw_opt = make_optimizer(objective, tcfg)
-    generator = torch.Generator().manual_seed(cfg.seed)  # keeps DataLoader draws off global RNG
-    loader = DataLoader(rows, batch_size=tcfg.micro_batch_size, shuffle=True,
-                        collate_fn=Collate(pad_id), num_workers=tcfg.num_workers,
-                        generator=generator, pin_memory=acc.device.type == "cuda")
-    plan = _plan(tcfg, math.ceil(len(loader) / world))
-    raw_sched = torch.optim.lr_scheduler.LambdaLR(raw_opt, lambda s: lr_factor(
-        s, plan["total"], plan["warmup"], tcfg.schedule, tcfg.min_lr_ratio))
-    model, optimizer, loader, scheduler = acc.prepare(objective, raw_opt, loader, raw_sched)
-    plan.update(_plan(tcfg, len(loader)))  # the prepared (per-rank) length is authoritative
-    clip_params = list(model.parameters())
-
-    resume_from, pos, metrics = _start(acc, tcfg, root, compat, stage)
-    _set_hyperparameters(raw_opt, raw_sched, tcfg, plan, pos.step)
-    acc.wait_for_everyone()
-    if main:
-        note = f", resuming from {resume_from} (step {pos.step})" if resume_from else ""
-        print(f"trainer[{stage}]: {acc.device} x {world} process(es) "
-              f"({acc.distributed_type.value}), mixed precision {acc.mixed_precision}, "
-              f"batch {tcfg.micro_batch_size} x {tcfg.grad_accum} accum x {world} = "
-              f"{tcfg.micro_batch_size * tcfg.grad_accum * world} rows/step; {plan['total']} "
-              f"steps ({plan['per_epoch']}/epoch over {len(rows)} rows){note}", flush=True)
-
-    prefix = "train" if stage == "main" else stage
-    max_norm = tcfg.max_grad_norm if tcfg.max_grad_norm > 0 else float("inf")
-    check_grad = acc.mixed_precision != "fp16"  # fp16: the scaler skips inf steps by design
-    meter, last_ckpt = _Meter(acc.device), resume_from
-    pbar = tqdm(total=plan["total"], initial=pos.step, desc=f"train[{stage}]", unit="step",
-                disable=not main, dynamic_ncols=True)
-    t_start, session_tokens = time.perf_counter(), 0
+    """Train ``objective`` on ``source`` (``rows[i]``: packed-row fields, lists or ``[T]``
+    tensors, plus optional cached ``[T, D]`` features; ``add_features(batch)`` runs on the
+    device batch) for one stage; checkpoints under ``run_dir/checkpoints``. ``stage`` names the
+    checkpoint folder and log prefix (``train/`` for "main"). ``gather_state``: return the full
+    objective state dict (collective under ZeRO-3 / FSDP; main process only) for the export.
+    ``_on_step(step)`` runs after each optimizer step (tests use it to simulate a crash)."""
+    loop = _StageLoop(cfg, objective, source, pad_id, run_dir, logger, stage, accelerator)
+    start, session_tokens = time.perf_counter(), 0
     try:
-        while pos.step < plan["total"]:
-            loader.set_epoch(pos.epoch)
-            epoch_loader = acc.skip_first_batches(loader, pos.batches) if pos.batches else loader
-            batches = iter(epoch_loader)
-            try:
-                for batch in batches:
-                    pos.batches += 1
-                    lr = optimizer.param_groups[0]["lr"]  # this step's (DeepSpeed steps early)
-                    batch = add_features(batch)
-                    with acc.accumulate(model):
-                        out = model(batch)
-                        acc.backward(out.loss)
-                        meter.add(out, batch)
-                        synced = acc.sync_gradients
-                        if synced:
-                            grad_norm = acc.clip_grad_norm_(clip_params, max_norm)
-                            loss, tokens, gn = meter.end_step(acc, grad_norm)
-                            if not math.isfinite(loss) or (check_grad and not math.isfinite(gn)):
-                                raise TrainingDiverged(
-                                    f"training diverged at step {pos.step + 1} (stage {stage!r}):"
-                                    f" loss={loss}, grad_norm={gn}. Nothing of this state was "
-                                    "saved; the last checkpoint is "
-                                    f"{last_ckpt or 'none (none was written yet)'}. Lower "
-                                    "trainer.lr or raise trainer.warmup_steps (or check the "
-                                    "data), then rerun: trainer.resume=auto continues from it.")
-                            optimizer.step()
-                            scheduler.step()
-                            optimizer.zero_grad(set_to_none=True)
-                    if not synced:
-                        continue
-                    pos.step += 1
-                    pos.tokens += tokens
-                    session_tokens += tokens
-                    if pos.batches >= len(loader):  # the epoch is done: record the next one
-                        pos.epoch, pos.batches = pos.epoch + 1, 0
-                    if pos.step % tcfg.log_every == 0 or pos.step == plan["total"]:
-                        metrics = meter.log_values(acc)
-                        metrics.update(lr=lr, tokens=float(pos.tokens),
-                                       epoch=pos.step / plan["per_epoch"])
-                        data = {f"{prefix}/{k}": v for k, v in metrics.items()}
-                        if stage == "main":
-                            logger.log(data, step=pos.step)
-                        else:  # stages restart at step 0; W&B steps must keep increasing
-                            logger.log({**data, f"{prefix}/step": pos.step})
-                    pbar.update(1)
-                    pbar.set_postfix(_postfix(loss, lr, metrics), refresh=False)
-                    if (tcfg.save_every and pos.step % tcfg.save_every == 0) \
-                            or pos.step == plan["total"]:
-                        last_ckpt = _save(acc, model, objective, root, pos, stage, compat,
-                                          metrics, tcfg.keep_last)
-                    if _on_step is not None:
-                        _on_step(pos.step)
-                    if pos.step >= plan["total"]:
-                        break
-            finally:
-                if hasattr(batches, "close"):
-                    batches.close()  # unregisters the dataloader from accelerate's state
-        elapsed = max(time.perf_counter() - t_start, 1e-9)
-        if final_dir is not None:
-            state_dict = acc.get_state_dict(model)  # collective under ZeRO-3 / FSDP
-            if main:
-                ckpt.export_atomically(objective, state_dict, final_dir)
-            acc.wait_for_everyone()
+        while loop.pos.step < loop.plan.total:
+            session_tokens += loop.epoch(_on_step)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        state = loop.gather() if gather_state else None
     finally:
-        pbar.close()
-        acc.free_memory()  # drop the wrapped model / engine references; a next stage re-prepares
-    return TrainResult(pos.step, pos.tokens, session_tokens / elapsed,
-                       {k: float(v) for k, v in metrics.items()},
-                       Path(final_dir) if final_dir is not None else None)
+        loop.close()
+    return TrainResult(loop.pos.step, loop.pos.tokens, session_tokens / elapsed,
+                       {k: float(v) for k, v in loop.metrics.items()}, state)
+
+
+class _StageLoop:
+    """One stage's prepared training state and its four parts (see the module doc)."""
+
+    def __init__(self, cfg, objective, source: FeatureSource, pad_id: int, run_dir: Path,
+                 logger: Logger, stage: str, accelerator) -> None:
+        self.tcfg, self.objective, self.logger, self.stage = cfg.trainer, objective, logger, stage
+        validate(self.tcfg, len(source.rows))
+        self.acc = accelerator or make_accelerator(self.tcfg, cfg.seed)
+        if self.acc.gradient_accumulation_steps != self.tcfg.grad_accum:
+            raise config_error("trainer.grad_accum", self.tcfg.grad_accum,
+                               f"the accelerator's value ({self.acc.gradient_accumulation_steps};"
+                               " remove gradient_accumulation_steps from the accelerate / "
+                               "DeepSpeed config)", WHERE)
+        _fill_deepspeed(self.acc, self.tcfg)
+        self.root = ckpt.checkpoint_root(run_dir, stage)
+        self.compat = ckpt.compat_config(cfg, stage, self.acc.num_processes)
+        self.add_features = source.add_features
+        self._prepare(cfg.seed, source.rows, pad_id)
+        self.last_ckpt, self.pos, self.metrics = _start(self.acc, self.tcfg, self.root,
+                                                        self.compat, stage)
+        set_hyperparameters(self.raw_opt, self.raw_sched, self.tcfg, self.plan, self.pos.step)
+        self.acc.wait_for_everyone()
+        self._announce(len(source.rows))
+        self.prefix = "train" if stage == "main" else stage
+        self.max_norm = self.tcfg.max_grad_norm if self.tcfg.max_grad_norm > 0 else float("inf")
+        self.check_grad = self.acc.mixed_precision != "fp16"  # fp16: the scaler skips inf steps
+        self.meter, self.lr, self.step_stats = Meter(self.acc.device), 0.0, (0.0, 0, 0.0)
+        self.pbar = tqdm(total=self.plan.total, initial=self.pos.step, desc=f"train[{stage}]",
+                         unit="step", disable=not self.acc.is_main_process, dynamic_ncols=True)
+
+    def _prepare(self, seed: int, rows, pad_id: int) -> None:
+        """Optimizer, seeded DataLoader and schedule, through ``accelerator.prepare``."""
+        tcfg, acc = self.tcfg, self.acc
+        self.raw_opt = make_optimizer(self.objective, tcfg)
+        generator = torch.Generator().manual_seed(seed)  # keeps DataLoader draws off global RNG
+        loader = DataLoader(rows, batch_size=tcfg.micro_batch_size, shuffle=True,
+                            collate_fn=Collate(pad_id), num_workers=tcfg.num_workers,
+                            generator=generator, pin_memory=acc.device.type == "cuda")
+        self.plan = Plan.of(tcfg, math.ceil(len(loader) / acc.num_processes))
+        self.raw_sched = torch.optim.lr_scheduler.LambdaLR(
+            self.raw_opt, lambda s: self.plan.lr_factor(s, tcfg))  # reads the final plan
+        self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
+            self.objective, self.raw_opt, loader, self.raw_sched)
+        self.plan = Plan.of(tcfg, len(self.loader))  # the prepared (per-rank) length decides
+        self.clip_params = list(self.model.parameters())
+
+    def _announce(self, num_rows: int) -> None:
+        if not self.acc.is_main_process:
+            return
+        t, acc, plan = self.tcfg, self.acc, self.plan
+        note = (f", resuming from {self.last_ckpt} (step {self.pos.step})" if self.last_ckpt
+                else "")
+        world = acc.num_processes
+        print(f"trainer[{self.stage}]: {acc.device} x {world} process(es) "
+              f"({acc.distributed_type.value}), mixed precision {acc.mixed_precision}, "
+              f"batch {t.micro_batch_size} x {t.grad_accum} accum x {world} = "
+              f"{t.micro_batch_size * t.grad_accum * world} rows/step; {plan.total} "
+              f"steps ({plan.per_epoch}/epoch over {num_rows} rows){note}", flush=True)
+
+    # ---- the four parts ----------------------------------------------------------------------
+
+    def epoch(self, on_step: Callable[[int], None] | None) -> int:
+        """The rest of the current epoch (or of the budget); returns the tokens it processed."""
+        pos, tokens = self.pos, 0
+        self.loader.set_epoch(pos.epoch)
+        loader = (self.acc.skip_first_batches(self.loader, pos.batches) if pos.batches
+                  else self.loader)
+        batches = iter(loader)
+        try:
+            for batch in batches:
+                if not self.micro_step(batch):
+                    continue
+                tokens += self.after_step(on_step)
+                if pos.step >= self.plan.total:
+                    break
+        finally:
+            if hasattr(batches, "close"):
+                batches.close()  # unregisters the dataloader from accelerate's state
+        return tokens
+
+    def micro_step(self, batch: dict[str, Tensor]) -> bool:
+        """Forward and backward of one micro-batch; True when it completed an optimizer step."""
+        self.pos.batches += 1
+        self.lr = self.optimizer.param_groups[0]["lr"]  # this step's (DeepSpeed steps early)
+        batch = self.add_features(batch)
+        with self.acc.accumulate(self.model):
+            out = self.model(batch)
+            self.acc.backward(out.loss)
+            self.meter.add(out, batch)
+            synced = self.acc.sync_gradients
+            if synced:
+                self.optimizer_step()
+        return synced
+
+    def optimizer_step(self) -> None:
+        """Clip, check that loss and gradient norm are finite (before anything is applied or
+        saved), then step the optimizer and the schedule."""
+        grad_norm = self.acc.clip_grad_norm_(self.clip_params, self.max_norm)
+        loss, tokens, gn = self.meter.end_step(self.acc, grad_norm)
+        if not math.isfinite(loss) or (self.check_grad and not math.isfinite(gn)):
+            raise TrainingDiverged(
+                f"training diverged at step {self.pos.step + 1} (stage {self.stage!r}): "
+                f"loss={loss}, grad_norm={gn}. Nothing of this state was saved; the last "
+                f"checkpoint is {self.last_ckpt or 'none (none was written yet)'}. Lower "
+                "trainer.lr or raise trainer.warmup_steps (or check the data), then rerun: "
+                "trainer.resume=auto continues from it.")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_stats = (loss, tokens, gn)
+
+    def after_step(self, on_step: Callable[[int], None] | None) -> int:
+        """Bookkeeping of a completed optimizer step: position, log, checkpoint; its tokens."""
+        pos, tcfg = self.pos, self.tcfg
+        loss, tokens, _ = self.step_stats
+        pos.step += 1
+        pos.tokens += tokens
+        if pos.batches >= len(self.loader):  # the epoch is done: record the next one
+            pos.epoch, pos.batches = pos.epoch + 1, 0
+        if pos.step % tcfg.log_every == 0 or pos.step == self.plan.total:
+            self.log()
+        self.pbar.update(1)
+        self.pbar.set_postfix(_postfix(loss, self.lr, self.metrics), refresh=False)
+        if (tcfg.save_every and pos.step % tcfg.save_every == 0) or pos.step == self.plan.total:
+            self.checkpoint()
+        if on_step is not None:
+            on_step(pos.step)
+        return tokens
+
+    def log(self) -> None:
+        """Window averages of the metrics, lr, tokens and epoch, under this stage's prefix."""
+        self.metrics = self.meter.log_values(self.acc)
+        self.metrics.update(lr=self.lr, tokens=float(self.pos.tokens),
+                            epoch=self.pos.step / self.plan.per_epoch)
+        data = {f"{self.prefix}/{k}": v for k, v in self.metrics.items()}
+        if self.stage == "main":
+            self.logger.log(data, step=self.pos.step)
+        else:  # stages restart at step 0; W&B steps must keep increasing
+            self.logger.log({**data, f"{self.prefix}/step": self.pos.step})
+
+    def checkpoint(self) -> None:
+        self.last_ckpt = _save(self.acc, self.model, self.objective, self.root, self.pos,
+                               self.stage, self.compat, self.metrics, self.tcfg.keep_last)
+
+    # ---- the end -----------------------------------------------------------------------------
+
+    def gather(self) -> dict[str, Tensor] | None:
+        """The full objective state dict on the main process (collective: every rank calls)."""
+        state = self.acc.get_state_dict(self.model)  # gathered under ZeRO-3 / FSDP
+        return state if self.acc.is_main_process else None
+
+    def close(self) -> None:
+        self.pbar.close()
+        self.acc.free_memory()  # drop the wrapped model / engine references; a next stage
+        # re-prepares
 
 
 def _start(acc, tcfg, root: Path, compat: dict, stage: str
@@ -432,7 +380,7 @@ def _postfix(loss: float, lr: float, metrics: dict[str, float]) -> dict[str, str
 def _save(acc, model, objective, root: Path, pos: _Position, stage: str, compat: dict,
           metrics: dict, keep_last: int) -> Path:
     state = {"step": pos.step, "epoch": pos.epoch, "batches_in_epoch": pos.batches,
-             "tokens": pos.tokens, "stage": stage, "fingerprint": ckpt.fingerprint(compat),
+             "tokens": pos.tokens, "stage": stage, "fingerprint": digest(compat),
              "compat": compat, "metrics": metrics, "time": time.time()}
     path = ckpt.save_checkpoint(acc, model, objective, root, state)
     if acc.is_main_process:

@@ -9,7 +9,7 @@ When fewer than ``N`` distinct tokens were seen, the rest is filled with the low
 tokens (the same tie rule applied to count 0), so the vocabulary always has exactly ``N``
 entries and the fill is deterministic.
 
-Encoding (the speculators / vLLM convention, REFERENCE section 4)::
+Encoding (the speculators / vLLM convention, docs/reference.md §4)::
 
     d2t  int64 [N]             d2t[i] = target_id(i) - i   (non-decreasing: ids are sorted)
     t2d  bool  [target_vocab]  True where the target token is in the draft vocabulary
@@ -26,6 +26,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from infer.atomic import atomic_file
 
 VOCAB_FILE = "draft_vocab.safetensors"
 
@@ -61,10 +63,10 @@ class DraftVocab:
     def save(self, path: str | Path) -> Path:
         """Write ``path`` (a folder gets ``draft_vocab.safetensors`` inside); returns the file."""
         file = _file(path)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous(),
-                   "counts": self.counts.contiguous()}, str(file),
-                  metadata={"format": "draftsmith-draft-vocab"})
+        with atomic_file(file) as tmp:
+            save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous(),
+                       "counts": self.counts.contiguous()}, str(tmp),
+                      metadata={"format": "draftsmith-draft-vocab"})
         return file
 
     @classmethod

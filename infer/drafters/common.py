@@ -2,18 +2,15 @@
 Hugging Face config dict of a draft layer.
 
 Checkpoints are a directory with ``config.json`` + ``model.safetensors`` (what vLLM and SGLang
-load). Writes are atomic: everything goes to a temporary directory beside the destination and is
-moved in with ``os.replace``, so a crash mid-save never leaves a half-written checkpoint that a
-later load would half-trust. Reads reuse the target loader's directory / safetensors rules
-(local dir or cached hub id; pickled weights are refused).
+load). Writes are atomic (``infer/atomic.py``), so a crash mid-save never leaves a half-written
+checkpoint that a later load would half-trust. Reads reuse the target loader's directory /
+safetensors rules (local dir or cached hub id; pickled weights are refused).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -22,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from infer.atomic import atomic_dir
 from infer.models.llama import ModelConfig, cache_mask
 from infer.models.loader import resolve_model_dir, weight_files
 
@@ -34,31 +32,21 @@ def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor],
     """Write ``config.json``, ``model.safetensors`` and copies of ``extra_files`` (tokenizer
     files ...) into ``path`` atomically.
 
-    A new directory appears in one ``os.replace``; into an existing one the weights and extra
-    files are replaced first and ``config.json`` last, each file atomically (other files there
-    are left alone).
-    ``torch_dtype`` is recorded from the first floating-point tensor.
+    A new directory appears in one rename; into an existing one the weights and extra files are
+    replaced first and ``config.json`` last, each file atomically (other files there are left
+    alone). ``torch_dtype`` is recorded from the first floating-point tensor.
     """
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     if dtype is not None:
         config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    order = [WEIGHTS_NAME, *(Path(f).name for f in extra_files), CONFIG_NAME]
+    with atomic_dir(path, merge=order) as tmp:
         flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         save_file(flat, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
-        if not path.exists():
-            os.replace(tmp, path)
-            return path
-        for name in [WEIGHTS_NAME, *(Path(f).name for f in extra_files), CONFIG_NAME]:
-            os.replace(tmp / name, path / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return Path(path)
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict, dict[str, Tensor], Path]:

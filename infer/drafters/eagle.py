@@ -1,4 +1,4 @@
-"""EAGLE-1 draft head in the format vLLM's ``EagleLlamaForCausalLM`` loads (REFERENCE section 4).
+"""EAGLE-1 draft head in the format vLLM's ``EagleLlamaForCausalLM`` loads (docs/reference.md §4).
 
 Architecture (per position ``t``)::
 

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft model in the speculators format that vLLM loads (REFERENCE section 4).
+"""EAGLE-3 draft model in the speculators format that vLLM loads (docs/reference.md §4).
 
 Architecture (one step, per position ``t``)::
 

@@ -1,4 +1,4 @@
-"""IBM MLP speculator in the format vLLM loads (REFERENCE section 5).
+"""IBM MLP speculator in the format vLLM loads (docs/reference.md §5).
 
 Architecture: ``n_predict`` stages; stage ``i`` (0-based) maps the state ``s_i`` and the token
 ``token_i`` to the next state and the logits of the token after ``token_i``::

@@ -13,11 +13,8 @@ Two forwards share the layer stack:
 - :meth:`Llama.forward_train` runs full sequences without a cache (training, feature extraction),
   optionally with a block-diagonal mask over packed documents.
 
-Hidden-state index semantics (``aux_layer_ids``, the EAGLE-3 / vLLM convention): id ``k`` is the
-residual stream after ``k`` decoder layers, ``0`` = the token embeddings and ``N = num_layers`` =
-the output of the last layer *before* the final norm. Hugging Face's ``output_hidden_states``
-agrees for ``k < N``, but its last entry (``hidden_states[N]``) is *after* the final norm: that is
-``ModelOutput.hidden`` here, the last hidden state EAGLE-1 uses as its feature.
+Outputs (``ModelOutput``) and the hidden-state index semantics of ``aux_layer_ids`` are defined in
+:mod:`infer.models.output`.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
 from infer.models.layout import FusedLinear, pack_for_cpu_
+from infer.models.output import ModelOutput
 from infer.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
 
 
@@ -64,15 +62,6 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-
-
-@dataclass
-class ModelOutput:
-    """What a forward returns; see the module doc for the hidden-state index semantics."""
-
-    logits: Tensor  # [B, T, V], or [B, K, V] when logits_at [B, K] was given
-    hidden: Tensor  # [B, T, H] last hidden state after the final norm (= HF hidden_states[-1])
-    aux: tuple[Tensor, ...] = ()  # one [B, T, H] per aux_layer_ids entry, in the order asked
 
 
 def _sdpa_supports_gqa() -> bool:

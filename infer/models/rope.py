@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from infer.models.llama import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -40,7 +37,15 @@ class RopeConfig:
                              f"{', '.join(ROPE_TYPES)}")
 
 
-def rope_frequencies(cfg: ModelConfig, device=None) -> tuple[Tensor, float]:
+class RopeShape(Protocol):
+    """What the frequencies depend on (a ``ModelConfig`` or a drafter layer's config)."""
+
+    rope: "RopeConfig"
+    head_dim: int
+    max_position_embeddings: int
+
+
+def rope_frequencies(cfg: RopeShape, device=None) -> tuple[Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` (fp32) and the cos/sin scale (1 except for yarn).
 
     "dynamic" (NTK) rescales only beyond ``max_position_embeddings`` and then depends on the

@@ -1,23 +1,35 @@
 """The proposer interface and registry.
 
 A proposer drafts up to k tokens per running request; the engine verifies them with one target
-forward. Methods register by name (``@register("ngram")``) and the engine looks them up from
-``speculative_config.method``, so nothing outside this package branches on a method string.
+forward. Methods register by name (``@PROPOSERS.register("ngram")``) and the engine looks them
+up from ``speculative_config.method``, so nothing outside this package branches on a method
+string.
 
-Lifecycle per request: ``start(slot, prompt_ids)`` when it takes a cache slot, ``propose(batch)``
-every step, ``observe(step)`` after verification (accepted tokens, target outputs), ``finish(slot)``
-when the request ends. Token histories are passed as Python lists: the CPU proposers (n-gram,
-suffix) work on them directly; model-based proposers keep their own tensors and KV caches.
+Contract with the engine, in order:
+
+- ``feature_spec()`` once, before the first target forward: which target states the proposer
+  reads (aux residual streams; the last hidden state always comes with the output). The engine
+  requests exactly those in its prefill and verify forwards.
+- per request: ``start(slot, prompt_ids)`` when it takes a cache slot; ``prefilled(...)`` with
+  the prompt forward's :class:`~infer.models.output.ModelOutput`; ``propose(batch)`` every step;
+  ``observe(step)`` after verification (accepted tokens and the verify forward's output as
+  ``VerifiedStep.target_output``); ``finish(slot)`` when the request ends.
+
+Token histories are passed as Python lists: the CPU proposers (n-gram, suffix) work on them
+directly; model-based proposers keep their own tensors and KV caches.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
+from infer.models.llama import Llama, ModelConfig
+from infer.models.output import FeatureSpec, ModelOutput
+from infer.registry import Registry
 from infer.sampling import BatchGenerator, Generator
 from infer.spec_config import SpeculativeConfig
 
@@ -26,8 +38,8 @@ from infer.spec_config import SpeculativeConfig
 class ProposerContext:
     """What the engine hands a proposer at construction."""
 
-    target: Any  # infer.models.llama.Llama (for heads that share its embedding / lm_head)
-    target_config: Any  # infer.models.llama.ModelConfig
+    target: Llama  # for heads that share its embedding / lm_head
+    target_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
     max_num_seqs: int
@@ -47,7 +59,6 @@ class DraftBatch:
     top_k: torch.Tensor | None = None  # [batch]   proposers that sample or return draft_probs
     top_p: torch.Tensor | None = None  # [batch]
     generator: Generator = None  # per-row streams for seeded requests (BatchGenerator)
-    extras: dict[str, Any] = field(default_factory=dict)  # e.g. target hidden states for EAGLE
 
     def select(self, rows: list[int]) -> "DraftBatch":
         """The sub-batch of ``rows`` (e.g. the requests that can still draft): every per-row
@@ -82,31 +93,34 @@ class VerifiedStep:
     slots: list[int]
     num_accepted: list[int]  # accepted drafts per request
     new_tokens: list[list[int]]  # tokens appended to each request this step (accepted + final)
-    extras: dict[str, Any] = field(default_factory=dict)  # "target_output": the verify forward's
-    # ModelOutput; its position j of row i is the target's state after [pending, d_1..d_j]
+    target_output: ModelOutput  # the verify forward's; position j of row i is the target's
+    # state after [pending, d_1..d_j] (aux streams as the proposer's feature_spec asked)
 
 
 class Proposer(ABC):
     """Base class: override ``propose``; the hooks default to no-ops."""
 
+    name: ClassVar[str] = ""  # the method it is registered as
     #: whether the proposer drafts probabilities usable by ``probabilistic`` rejection
     provides_draft_probs: bool = False
-    #: target residual streams the proposer needs (REFERENCE section 4 numbering: 0 = embeddings,
-    #: N = last layer before the final norm); the engine requests them in prefill and verify
-    #: forwards and hands the ``ModelOutput`` to ``prefilled`` / ``observe``
-    aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         self.spec = spec
         self.ctx = ctx
 
+    def feature_spec(self) -> FeatureSpec:
+        """What the proposer reads from the target's outputs (the engine asks once, before its
+        first forward); nothing by default."""
+        return FeatureSpec()
+
     def start(self, slot: int, prompt_ids: list[int]) -> None:
         """A request took ``slot`` (its prompt is already prefilled in the target's cache)."""
 
-    def prefilled(self, slots: list[int], num_tokens: list[int], target_output: Any) -> None:
+    def prefilled(self, slots: list[int], num_tokens: list[int],
+                  target_output: ModelOutput) -> None:
         """Target outputs of the prompts just prefilled: row i is ``slots[i]`` with
         ``num_tokens[i]`` valid positions of ``target_output.hidden`` ``[B, T, H]`` and of each
-        ``target_output.aux`` entry (in ``aux_layer_ids`` order)."""
+        ``target_output.aux`` entry (in ``feature_spec().aux_layer_ids`` order)."""
 
     @abstractmethod
     def propose(self, batch: DraftBatch) -> Proposal:
@@ -123,28 +137,9 @@ class Proposer(ABC):
         decoding's global tree), so that timed runs of the same prompts start alike."""
 
 
-_REGISTRY: dict[str, type[Proposer]] = {}
-
-
-def register(name: str) -> Callable[[type[Proposer]], type[Proposer]]:
-    """Class decorator: make a proposer available as ``speculative_config.method == name``."""
-
-    def wrap(cls: type[Proposer]) -> type[Proposer]:
-        if name in _REGISTRY:
-            raise ValueError(f"proposer {name!r} is registered twice")
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def get_proposer_class(method: str) -> type[Proposer]:
-    """The class registered for ``method``; a clear error lists the ones this engine serves."""
-    _import_builtin_proposers()
-    if method not in _REGISTRY:
-        raise ValueError(f"speculative_config: invalid value for 'method': {method!r}; this engine "
-                         f"serves: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[method]
+PROPOSERS: Registry[type[Proposer]] = Registry(
+    "infer.proposers", "method", "speculative_config",
+    allowed="a method this engine serves: {names}")
 
 
 def pad_drafts(drafts: list[list[int]], k: int, device: torch.device) -> torch.Tensor:
@@ -155,15 +150,3 @@ def pad_drafts(drafts: list[list[int]], k: int, device: torch.device) -> torch.T
         if ids:
             out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     return out.to(device)
-
-
-def _import_builtin_proposers() -> None:
-    """Import the proposer modules so their ``@register`` decorators run."""
-    import importlib
-    import pkgutil
-
-    import infer.proposers as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name != "base":
-            importlib.import_module(f"infer.proposers.{info.name}")

@@ -23,14 +23,14 @@ import torch
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.models.loader import load_model
-from infer.proposers.base import DraftBatch, Proposal, Proposer, ProposerContext, register
+from infer.proposers.base import DraftBatch, Proposal, Proposer, ProposerContext, PROPOSERS
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig, draft_config_path, read_draft_config
 
 MASK_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")
 
 
-@register("draft_model")
+@PROPOSERS.register("draft_model")
 class DraftModelProposer(Proposer):
     provides_draft_probs = True
 

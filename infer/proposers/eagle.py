@@ -19,29 +19,29 @@ from the head's distribution (target temperature / top-k / top-p applied over th
 vocabulary) and that distribution is returned over the full target vocabulary (zero outside the
 draft vocabulary) for the acceptance test.
 
-Engine contract: target forwards of prefill and verify must request ``aux_layer_ids`` (EAGLE-3;
-EAGLE-1 needs none: it uses ``ModelOutput.hidden``), the engine calls ``prefilled`` for every
-newly prefilled request and passes the verify ``ModelOutput`` as ``extras["target_output"]``.
+Engine contract (``infer/proposers/base.py``): the target forwards of prefill and verify carry
+the aux streams of ``feature_spec()`` (EAGLE-3; EAGLE-1 needs none: it uses
+``ModelOutput.hidden``), ``prefilled`` is called for every newly prefilled request and the verify
+output arrives as ``VerifiedStep.target_output``.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
+from infer.drafters.common import PairDrafter
 from infer.drafters.eagle import EagleDrafter
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.models.llama import inference_layout
+from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
-                                  register)
+                                  PROPOSERS)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
 
-_WIRING = ("the engine must call proposer.prefilled(...) after each prefill and pass the verify "
-           "forward's ModelOutput as VerifiedStep.extras['target_output']")
+_WIRING = "the engine must call proposer.prefilled(...) after each prefill"
 
 
 class EagleChainProposer(Proposer):
@@ -70,16 +70,17 @@ class EagleChainProposer(Proposer):
 
     # ---- subclass hooks ----------------------------------------------------------------------
 
-    def load_drafter(self, spec: SpeculativeConfig, ctx: ProposerContext) -> Any:
+    def load_drafter(self, spec: SpeculativeConfig, ctx: ProposerContext) -> PairDrafter:
         raise NotImplementedError
 
-    def target_features(self, target_output: Any) -> Tensor:
+    def target_features(self, target_output: ModelOutput) -> Tensor:
         """The raw per-position target features ``[B, T, F]`` the head's ``prepare`` takes."""
         raise NotImplementedError
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def prefilled(self, slots: list[int], num_tokens: list[int], target_output: Any) -> None:
+    def prefilled(self, slots: list[int], num_tokens: list[int],
+                  target_output: ModelOutput) -> None:
         with torch.no_grad():
             feats = self.drafter.prepare(self.target_features(target_output))  # [B, T, H]
         for row, (slot, n) in enumerate(zip(slots, num_tokens)):
@@ -87,11 +88,8 @@ class EagleChainProposer(Proposer):
             self.pending[slot] = feats[row, :n].clone()
 
     def observe(self, step: VerifiedStep) -> None:
-        out = step.extras.get("target_output")
-        if out is None:
-            raise RuntimeError(f"{type(self).__name__}.observe got no target_output; {_WIRING}")
         with torch.no_grad():
-            feats = self.drafter.prepare(self.target_features(out))  # [B, k + 1, H]
+            feats = self.drafter.prepare(self.target_features(step.target_output))  # [B, k+1, H]
         for row, (slot, new) in enumerate(zip(step.slots, step.new_tokens)):
             if slot not in self.pending:
                 raise RuntimeError(f"no target features for slot {slot}; {_WIRING}")
@@ -165,7 +163,7 @@ class EagleChainProposer(Proposer):
         return self.drafter.to_target_ids(tok), self.drafter.to_target_probs(q)
 
 
-@register("eagle")
+@PROPOSERS.register("eagle")
 class EagleProposer(EagleChainProposer):
     """EAGLE-1: features = the target's last hidden state after the final norm."""
 
@@ -174,5 +172,8 @@ class EagleProposer(EagleChainProposer):
         drafter.attach_target(ctx.target)  # checks hidden size and vocabulary against the target
         return drafter
 
-    def target_features(self, target_output: Any) -> Tensor:
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(hidden=True)
+
+    def target_features(self, target_output: ModelOutput) -> Tensor:
         return target_output.hidden  # [B, T, H]

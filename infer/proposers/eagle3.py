@@ -10,19 +10,18 @@ full target vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from infer.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
-from infer.proposers.base import ProposerContext, register
+from infer.models.output import FeatureSpec, ModelOutput
+from infer.proposers.base import ProposerContext, PROPOSERS
 from infer.proposers.eagle import EagleChainProposer
 from infer.spec_config import SpeculativeConfig
 from infer.validation import config_error
 
 
-@register("eagle3")
+@PROPOSERS.register("eagle3")
 class Eagle3Proposer(EagleChainProposer):
     def load_drafter(self, spec: SpeculativeConfig, ctx: ProposerContext) -> Eagle3Drafter:
         drafter = Eagle3Drafter.from_pretrained(spec.model, dtype=ctx.dtype, device=ctx.device)
@@ -49,14 +48,16 @@ class Eagle3Proposer(EagleChainProposer):
                                  f"{target.hidden_size}, so the target's embedding cannot be "
                                  "shared")
             drafter.share_embedding(ctx.target.embed_tokens)
-        self.aux_layer_ids = drafter.aux_layer_ids  # the engine requests these, sorted
         return drafter
 
-    def target_features(self, target_output: Any) -> Tensor:
-        aux = tuple(target_output.aux)
-        if len(aux) != len(self.aux_layer_ids):
-            raise RuntimeError(f"eagle3 needs the target's aux hidden states {self.aux_layer_ids} "
-                               f"but the target output carries {len(aux)}; the engine must pass "
-                               "aux_layer_ids=proposer.aux_layer_ids to the prefill and verify "
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids)  # sorted
+
+    def target_features(self, target_output: ModelOutput) -> Tensor:
+        aux, want = tuple(target_output.aux), self.drafter.aux_layer_ids
+        if len(aux) != len(want):
+            raise RuntimeError(f"eagle3 needs the target's aux hidden states {want} but the "
+                               f"target output carries {len(aux)}; the engine must request "
+                               "proposer.feature_spec().aux_layer_ids in the prefill and verify "
                                "forwards")
         return torch.cat(aux, dim=-1)  # [B, T, n_aux * H_t], sorted id order

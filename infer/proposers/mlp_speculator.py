@@ -1,4 +1,4 @@
-"""MLP speculator proposer (``method: mlp_speculator``, REFERENCE section 5).
+"""MLP speculator proposer (``method: mlp_speculator``, docs/reference.md §5).
 
 The speculator needs, per request, the target's final hidden state (``ModelOutput.hidden``, after
 the final norm) at the position that predicted the pending token, plus the pending token itself:
@@ -19,24 +19,22 @@ exceed it (error at start-up, as vLLM raises when asked for more tokens than hea
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from infer.drafters.mlp_speculator import MLPSpeculator
 from infer.models.llama import inference_layout
+from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
-                                  register)
+                                  PROPOSERS)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
 from infer.validation import config_error
 
-_WIRING = ("the engine must call proposer.prefilled(...) after each prefill and pass the verify "
-           "forward's ModelOutput as VerifiedStep.extras['target_output']")
+_WIRING = "the engine must call proposer.prefilled(...) after each prefill"
 
 
-@register("mlp_speculator")
+@PROPOSERS.register("mlp_speculator")
 class MLPSpeculatorProposer(Proposer):
     provides_draft_probs = True
 
@@ -62,17 +60,19 @@ class MLPSpeculatorProposer(Proposer):
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def prefilled(self, slots: list[int], num_tokens: list[int], target_output: Any) -> None:
+    def feature_spec(self) -> FeatureSpec:
+        return FeatureSpec(hidden=True)
+
+    def prefilled(self, slots: list[int], num_tokens: list[int],
+                  target_output: ModelOutput) -> None:
         hidden = target_output.hidden  # [B, T, H]
         for row, (slot, n) in enumerate(zip(slots, num_tokens)):
             self.state[slot] = hidden[row, n - 1].clone()
 
     def observe(self, step: VerifiedStep) -> None:
-        out = step.extras.get("target_output")
-        if out is None:
-            raise RuntimeError(f"{type(self).__name__}.observe got no target_output; {_WIRING}")
+        hidden = step.target_output.hidden  # [B, k + 1, H]
         for row, (slot, new) in enumerate(zip(step.slots, step.new_tokens)):
-            self.state[slot] = out.hidden[row, len(new) - 1].clone()
+            self.state[slot] = hidden[row, len(new) - 1].clone()
 
     def finish(self, slot: int) -> None:
         self.state.pop(slot, None)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, pad_drafts,
-                                  register)
+                                  PROPOSERS)
 from infer.spec_config import SpeculativeConfig
 
 
@@ -99,7 +99,7 @@ class _History:
         return self.buf[: self.n]
 
 
-@register("ngram")
+@PROPOSERS.register("ngram")
 class NgramProposer(Proposer):
     """Prompt lookup over each request's prompt + generated tokens (see the module docstring).
 

@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
-                                  pad_drafts, register)
+                                  pad_drafts, PROPOSERS)
 from infer.spec_config import SpeculativeConfig
 
 # A position in a trie: (node, match length, tokens consumed inside the node's leaf chain).
@@ -232,7 +232,7 @@ class _Request:
     version: int = -1  # the global trie version the cursors belong to
 
 
-@register("suffix")
+@PROPOSERS.register("suffix")
 class SuffixProposer(Proposer):
     """Suffix decoding over a per-request trie and a global trie of past outputs (see the
     module docstring for the algorithm and the ``suffix_decoding_*`` keys)."""

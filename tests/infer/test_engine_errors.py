@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infer.engine import LLM
-from infer.proposers.base import _REGISTRY, get_proposer_class
+from infer.proposers.base import PROPOSERS
 from infer.sampling import SamplingParams
 from infer.spec_config import METHODS
 
@@ -19,8 +19,7 @@ def greedy(max_tokens=8, **kwargs):
 
 
 def served_methods():
-    get_proposer_class("draft_model")  # imports the built-in proposers
-    return sorted(_REGISTRY)
+    return PROPOSERS.names()
 
 
 def test_empty_prompt(tiny_target):

@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 
 from infer.engine import LLM
 from infer.metrics import SpecMetrics
-from infer.proposers.base import get_proposer_class
+from infer.proposers.base import PROPOSERS
 from infer.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -24,14 +24,14 @@ MAX_TOKENS = 12
 # The loopy target's greedy continuations of these repeat, so n-gram / suffix drafts hit.
 LOOPY_PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6, 7], [20, 21, 20, 21, 20, 21], [4, 5, 6, 7, 8], [9]]
 LOOPY_MAX_TOKENS = 24
-PROPOSERS = ("draft_model", "twin", "pard", "ngram", "suffix")
+SETUPS = ("draft_model", "twin", "pard", "ngram", "suffix")
 
 
 # ---- helpers -------------------------------------------------------------------------------------
 
 def served(method):
     try:
-        get_proposer_class(method)
+        PROPOSERS.get(method)
     except ValueError:
         return False
     return True
@@ -80,7 +80,7 @@ def hf_generate(model_dir, prompts, max_new_tokens, **kwargs):
 
 
 def check_metrics(m, k):
-    """The definitions (REFERENCE section 3) and the consistency of the counters."""
+    """The definitions (docs/reference.md §3) and the consistency of the counters."""
     drafts, drafted, accepted = m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"]
     per_pos = m["num_accepted_tokens_per_pos"]
     assert drafts <= drafted <= k * drafts
@@ -162,7 +162,7 @@ def case(tiny_target, tiny_draft, twin_draft, pard_draft, loopy_target, engine_p
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", K_VALUES)
-@pytest.mark.parametrize("proposer", PROPOSERS)
+@pytest.mark.parametrize("proposer", SETUPS)
 def test_speculative_equals_non_speculative(case, proposer, k, batch):
     target, prompts, max_tokens, spec = case(proposer, k)
     prompts = prompts[:batch]
@@ -419,14 +419,15 @@ def test_with_config_forks_the_loaded_target(tiny_target):
         base.with_config(None, max_num_seqs=0)
 
 
-def test_with_config_keeps_the_seed_and_ignores_instrumentation(tiny_target):
-    from infer.harness import instrument
+def test_with_config_keeps_the_seed_and_not_the_timers(tiny_target):
+    from infer.timing import EngineTimers
 
     sampled = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
     base = LLM(tiny_target, max_num_seqs=1, device="cpu", seed=3)
     want = LLM(tiny_target, max_num_seqs=4, device="cpu", seed=3).generate(LOOPY_PROMPTS, sampled)
-    with instrument(base):  # methods patched on the parent must not leak into a fork
-        fork = base.with_config(None, max_num_seqs=4)
+    base.timers = EngineTimers.on(base.device)  # timing the parent must not time a fork
+    fork = base.with_config(None, max_num_seqs=4)
+    assert fork.timers is None
     got = fork.generate(LOOPY_PROMPTS, sampled)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]  # seed 3 inherited
     other = base.with_config(None, max_num_seqs=4, seed=4).generate(LOOPY_PROMPTS, sampled)

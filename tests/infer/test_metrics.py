@@ -1,4 +1,4 @@
-"""SpecMetrics: record / merge against hand-computed values (REFERENCE section 3)."""
+"""SpecMetrics: record / merge against hand-computed values (docs/reference.md §3)."""
 
 import pytest
 

@@ -47,14 +47,14 @@ def test_engine_prefills_in_groups_and_keeps_outputs(tiny_target, monkeypatch):
     alone = [LLM(tiny_target, max_num_seqs=1).generate([p], params)[0].token_ids
              for p in prompts]
     llm = LLM(tiny_target, max_num_seqs=4)
-    widths, forward = [], llm.target.forward
+    widths, forward = [], llm.target.model.forward
 
     def counting(ids, *args, **kwargs):
         if kwargs.get("logits_at") is not None:  # the prefill forwards
             widths.append(tuple(ids.shape))
         return forward(ids, *args, **kwargs)
 
-    monkeypatch.setattr(llm.target, "forward", counting)
+    monkeypatch.setattr(llm.target.model, "forward", counting)
     steps = []
     monkeypatch.setattr(llm, "_verify", lambda inputs, reqs, *a, **k: (
         steps.append([r.slot for r in reqs]), LLM._verify(llm, inputs, reqs, *a, **k))[1])

@@ -1,4 +1,4 @@
-"""SpeculativeConfig: the vLLM speculative_config schema and every rule of REFERENCE section 1."""
+"""SpeculativeConfig: the vLLM speculative_config schema and every rule of docs/reference.md §1."""
 
 import dataclasses
 import json

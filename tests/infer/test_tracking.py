@@ -77,9 +77,9 @@ def _report(tmp_path):
     """A two-row harness report (one greedy, one sampled row) with its plots written."""
     from dataclasses import fields
 
-    from infer.advisor import advise
-    from infer.harness import ConfigResult, HarnessReport
-    from infer.harness_report import write_report
+    from infer.eval.advisor import advise
+    from infer.eval.harness import ConfigResult, HarnessReport
+    from infer.eval.report import write_report
 
     rows = []
     for temp, lossless in ((0.0, True), (0.8, None)):
@@ -97,7 +97,7 @@ def _report(tmp_path):
 
 
 def test_offline_wandb_run_contains_logged_keys(no_credentials, tmp_path):
-    from infer.harness_report import log_report
+    from infer.eval.report import log_report
 
     report = _report(tmp_path)
     logger = make_logger("wandb", rank=0, project="draftsmith-test", name="offline-check",

@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from train.data import prepare_dataset
-from train.tiny_target import train_tokenizer
+from train.tiny.corpus import train_tokenizer
 from train.vocab import DraftVocab, build_draft_vocab
 
 CODE = [

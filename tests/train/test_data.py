@@ -18,7 +18,8 @@ from transformers import PreTrainedTokenizerFast
 
 from train import data as D
 from train.data_formats import assistant_char_spans, detect_format, load_source
-from train.tiny_target import train_tokenizer
+from train.tiny import examples
+from train.tiny.corpus import train_tokenizer
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -378,19 +379,19 @@ def _write_corpus(root, n=12):
 
 
 def test_default_dataset_from_train_files(tmp_path, tiny_tok):
-    from train.tiny_target import stdlib_corpus
+    from train.tiny.corpus import stdlib_corpus
     _write_corpus(tmp_path)
     train_files, held_files = stdlib_corpus(0, 0.1, tmp_path)
     train_text = [(tmp_path / f).read_text() for f in train_files]
     held_text = [(tmp_path / f).read_text() for f in held_files]
     kw = dict(root=tmp_path, prompt_chars=(60, 120), completion_chars=(30, 80))
-    ds = D.build_default_dataset(30, seed=0, **kw)
+    ds = examples.build_default_dataset(30, seed=0, **kw)
     assert ds.column_names == ["prompt", "completion"] and len(ds) == 30
-    assert ds.to_dict() == D.build_default_dataset(30, seed=0, **kw).to_dict()
-    assert ds["prompt"] != D.build_default_dataset(30, seed=1, **kw)["prompt"]
+    assert ds.to_dict() == examples.build_default_dataset(30, seed=0, **kw).to_dict()
+    assert ds["prompt"] != examples.build_default_dataset(30, seed=1, **kw)["prompt"]
     for p, c in zip(ds["prompt"], ds["completion"]):
         assert any(p + "\n" + c in t for t in train_text)
-    prompts = D.heldout_prompts(4, root=tmp_path, prompt_chars=(60, 120))
+    prompts = examples.heldout_prompts(4, root=tmp_path, prompt_chars=(60, 120))
     assert len(prompts) == 4 and all(any(p in t for t in held_text) for p in prompts)
     out = D.prepare_dataset(ds, tiny_tok, max_length=128, verbose=False)
     assert len(out) > 0 and sum(map(sum, out["loss_mask"])) > 0

@@ -43,9 +43,9 @@ def count_forwards(monkeypatch):
 
 
 def build(train_data, cache, spec=SPEC, **kw):
-    kw = {"dtype": "float32", "rows_per_shard": RPS, "batch_size": BS, "progress": False,
-          "target_dtype": "float32"} | kw
-    return F.build_feature_cache(train_data.target_dir, train_data.dataset, spec, cache, **kw)
+    kw = {"dtype": "float32", "rows_per_shard": RPS, "batch_size": BS, "progress": False} | kw
+    frozen = F.FrozenTarget(train_data.target_dir, "float32", "cpu")
+    return F.build_feature_cache(frozen, train_data.dataset, spec, cache, **kw)
 
 
 def num_shards(train_data) -> int:
@@ -183,30 +183,32 @@ def test_two_ranks_split_the_shards(train_data, tmp_path, count_forwards):
 
 def test_make_feature_source_modes(train_data, target, tmp_path, count_forwards):
     cfg = TrainConfig(output_dir=str(tmp_path), name="run")
+    cache_dir = tmp_path / "run" / "features"
     rows = [F.PlainRows(train_data.dataset)[i] for i in range(2)]
     assert set(rows[0]) == {"input_ids", "loss_mask", "position_ids", "doc_ids"}
     batch = collate(rows, 0)
     ref = F.capture(target, batch, SPEC)
 
-    src = F.make_feature_source(cfg, train_data.target_dir, train_data.dataset, SPEC,
-                                device="cpu")
-    assert src.target is not None and src.target.lm_head is src.heads.lm_head  # one copy
+    frozen = F.FrozenTarget(train_data.target_dir, "auto", "cpu")
+    src = F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)
+    assert frozen.loaded and frozen.model.lm_head is frozen.heads.lm_head  # one copy
     assert torch.equal(src.add_features(batch)["aux"], ref["aux"])
 
     cfg.features.mode, cfg.features.dtype, cfg.features.rows_per_shard = "offline", "float32", 32
-    seen = []
-    src = F.make_feature_source(cfg, train_data.target_dir, train_data.dataset,
-                                lambda heads: seen.append(heads) or SPEC, device="cpu")
-    assert src.target is None and seen == [src.heads]
-    assert (tmp_path / "run" / "features" / "index.json").is_file()
+    frozen = F.FrozenTarget(train_data.target_dir, "auto", "cpu")
+    src = F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)
+    assert (cache_dir / "index.json").is_file()
     cached = src.add_features(stack([src.rows[0], src.rows[1]]))
     assert torch.equal(cached["hidden"], ref["hidden"])
+    frozen = F.FrozenTarget(train_data.target_dir, "auto", "cpu")  # the cache is complete:
+    F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)
+    assert not frozen.loaded  # only the heads would ever load
 
     count_forwards["n"] = 0
-    src = F.make_feature_source(cfg, train_data.target_dir, train_data.dataset,
-                                FeatureSpec(), device="cpu")
-    assert src.target is None and isinstance(src.rows, F.PlainRows) and count_forwards["n"] == 0
-    assert src.add_features(batch) is batch
+    src = F.make_feature_source(cfg.features, frozen, train_data.dataset, FeatureSpec(),
+                                cache_dir)
+    assert not frozen.loaded and isinstance(src.rows, F.PlainRows)
+    assert count_forwards["n"] == 0 and src.add_features(batch) is batch
     cfg.features.mode = "both"
     with pytest.raises(ValueError, match="'features.mode': 'both'"):
-        F.make_feature_source(cfg, train_data.target_dir, train_data.dataset, SPEC, device="cpu")
+        F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)

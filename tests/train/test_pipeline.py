@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from train.config import TrainConfig, register_configs
 from train.pipeline import prepare_data
-from train.tiny_target import train_tokenizer
+from train.tiny.corpus import train_tokenizer
 from train.vocab import DraftVocab
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")

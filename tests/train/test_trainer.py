@@ -23,8 +23,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from infer.tracking import Logger
-from train.checkpoint import IncompatibleCheckpoint, list_checkpoints
+from train.checkpoint import IncompatibleCheckpoint, export_atomically, list_checkpoints
 from train.config import TrainConfig, TrainerConfig
+from train.features import FeatureSource
 from train.objectives.base import FeatureSpec, LossOutput, Objective
 from train.trainer import Collate, TrainingDiverged, lr_factor, train
 
@@ -113,12 +114,14 @@ def make_cfg(tmp_path, **trainer) -> TrainConfig:
 
 def run(cfg, rows, tiny: dict | None = None, *, final=False, logger=None, add=lambda b: b,
         **kw):
-    """``train`` on a freshly seeded ``TinyLM(**tiny)``; returns (objective, result)."""
+    """``train`` on a freshly seeded ``TinyLM(**tiny)``, exported to ``cfg.final_dir`` with
+    ``final`` (as the pipeline does); returns (objective, result)."""
     torch.manual_seed(0)
     objective = TinyLM(**(tiny or {}))
-    result = train(cfg, objective, rows, add, pad_id=0, run_dir=cfg.run_dir,
-                   final_dir=cfg.final_dir if final else None, logger=logger or RecordingLogger(),
-                   **kw)
+    result = train(cfg, objective, FeatureSource(rows, add), pad_id=0, run_dir=cfg.run_dir,
+                   logger=logger or RecordingLogger(), gather_state=final, **kw)
+    if result.state_dict is not None:  # the main process
+        export_atomically(objective, result.state_dict, cfg.final_dir)
     return objective, result
 
 
@@ -185,7 +188,7 @@ def test_loss_falls_on_packed_rows_with_online_features(tmp_path, train_data):
     assert result.step == 24 and result.tokens == 3 * rows * 128 and result.tokens_per_s > 0
     assert result.metrics["loss"] == pytest.approx(losses[-1])
     # the final export is the trained drafter, and so is the end-of-run checkpoint's copy
-    final = load_file(result.final_dir / "model.safetensors")
+    final = load_file(cfg.final_dir / "model.safetensors")
     assert torch.equal(final["head.weight"], objective.drafter["head"].weight)
     (last,) = list_checkpoints(cfg.run_dir / "checkpoints")
     assert last.name == "step_00000024"
@@ -240,8 +243,8 @@ def test_resume_is_exact_and_keep_last_prunes(tmp_path):
     assert json.loads((ck / "trainer_state.json").read_text())["batches_in_epoch"] == 4
     torch.manual_seed(123)  # a differently initialised module: everything must come from disk
     logger_b, resumed = RecordingLogger(), TinyLM()
-    res_b = train(cfg_b, resumed, rows, lambda b: b, pad_id=0, run_dir=cfg_b.run_dir,
-                  final_dir=None, logger=logger_b)
+    res_b = train(cfg_b, resumed, FeatureSource(rows, lambda b: b), pad_id=0,
+                  run_dir=cfg_b.run_dir, logger=logger_b)
     assert res_b.step == 7 and res_b.tokens == res_a.tokens
     assert [s for _, s in logger_b.rows] == [3, 4, 5, 6, 7]
     assert [r["train/loss"] for r, _ in logger_b.rows] == [r["train/loss"]

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from train import data as D
-from train.tiny_target import train_tokenizer
+from train.tiny.corpus import train_tokenizer
 from train.vocab import (VOCAB_FILE, DraftVocab, build_draft_vocab, count_loss_tokens,
                          load_draft_vocab, save_draft_vocab)
 

@@ -19,7 +19,9 @@ Batch layout (``train.data.collate`` + ``train.features``), all on the training 
     hidden        [B, T, H]      target last hidden state after the final norm (when asked);
                                  target logits are ``heads.lm_head(hidden)`` (never stored)
 
-The trainer never branches on a method name: it looks the class up in ``OBJECTIVES``.
+Multi-stage training is data too: ``Objective.stages()`` lists the stages (``Stage``) and the
+pipeline loops over them on one loaded target. Nothing branches on a method name: the pipeline
+looks the class up in ``OBJECTIVES`` (``@OBJECTIVES.register("eagle3")`` in each module).
 """
 
 from __future__ import annotations
@@ -27,53 +29,36 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from infer.models.llama import ModelConfig
-from infer.validation import config_error
+from infer.models.output import FeatureSpec  # noqa: F401 (re-exported for the objectives)
+from infer.registry import Registry
+from infer.validation import StrChoice
 
-OBJECTIVES: dict[str, type["Objective"]] = {}
-
-
-def register(name: str) -> Callable[[type["Objective"]], type["Objective"]]:
-    """Class decorator: ``@register("eagle3")`` makes the objective available by name."""
-
-    def deco(cls: type["Objective"]) -> type["Objective"]:
-        cls.name = name
-        OBJECTIVES[name] = cls
-        return cls
-
-    return deco
+OBJECTIVES: Registry[type["Objective"]] = Registry("train.objectives", "drafter.method",
+                                                   "train config")
 
 
-METHOD_MODULES = ("eagle3", "eagle", "mlp_speculator", "pard")  # train/objectives/<name>.py
+class StageData(StrChoice):
+    """The rows a training stage reads."""
 
-
-def get_objective(name: str) -> type["Objective"]:
-    """The objective class registered as ``name`` (imports every objective module first)."""
-    import importlib
-
-    for module in METHOD_MODULES:
-        importlib.import_module(f"train.objectives.{module}")
-    if name not in OBJECTIVES:
-        raise config_error("drafter.method", name, f"one of {', '.join(sorted(OBJECTIVES))}",
-                           "train config")
-    return OBJECTIVES[name]
+    dataset = "dataset"  # the prepared training data (regenerated when regenerate.enabled)
+    target_answers = "target_answers"  # the same prompts answered by the target itself
 
 
 @dataclass(frozen=True)
-class FeatureSpec:
-    """What an objective needs from the frozen target for every batch."""
+class Stage:
+    """One training stage of an objective: ``name`` names its checkpoint folder, log prefix and
+    data folder ("main" is the plain run); ``data`` says which rows it trains on; ``trainer``
+    overrides ``TrainerConfig`` fields for this stage (e.g. its own step budget)."""
 
-    aux_layer_ids: tuple[int, ...] = ()  # -> batch["aux"] [B, T, len * H], sorted id order
-    hidden: bool = False  # -> batch["hidden"] [B, T, H] (after the final norm)
-
-    @property
-    def needs_target(self) -> bool:
-        return bool(self.aux_layer_ids) or self.hidden
+    name: str = "main"
+    data: StageData = StageData.dataset
+    trainer: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,7 +102,11 @@ class Objective(nn.Module, ABC):
 
     @abstractmethod
     def feature_spec(self) -> FeatureSpec:
-        """Which target features ``forward`` reads from the batch."""
+        """Which target features ``forward`` reads from the batch (``aux`` / ``hidden``)."""
+
+    def stages(self) -> list[Stage]:
+        """The training stages, in order (one plain stage unless the method needs more)."""
+        return [Stage()]
 
     @abstractmethod
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:

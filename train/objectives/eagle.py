@@ -1,5 +1,5 @@
 """EAGLE-1 objective: the head of ``infer/drafters/eagle.py`` regresses the target's next
-feature and matches its next-token distribution (REFERENCE section 4).
+feature and matches its next-token distribution (docs/reference.md §4).
 
 Per TTT step ``s`` (``ttt.py``; ``objective.ttt_steps`` 1 is plain EAGLE-1 training, more steps
 replay the draft chain as EAGLE-3 does) at anchor ``t``::
@@ -25,13 +25,14 @@ from torch import Tensor
 from infer.drafters.common import check_names, write_checkpoint
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.validation import check_float, config_error
-from train.objectives.base import FeatureSpec, register
-from train.objectives.ttt import TTTObjective, forward_kl
+from train.objectives.base import OBJECTIVES, FeatureSpec
+from train.objectives.losses import forward_kl
+from train.objectives.ttt import TTTObjective
 
 _WHERE = "train config"
 
 
-@register("eagle")
+@OBJECTIVES.register("eagle")
 class EagleObjective(TTTObjective):
     """EAGLE-1 head + TTT unroll (module doc); ``self.drafter`` is an ``EagleDrafter``."""
 

@@ -1,6 +1,6 @@
 """EAGLE-3 objective: the speculators head of ``infer/drafters/eagle3.py`` trained with the
 training-time-test unroll of ``ttt.py`` against the target's distribution over the draft
-vocabulary (forward KL, REFERENCE section 4).
+vocabulary (forward KL, docs/reference.md §4).
 
 Per step ``s`` the head's logits over the ``draft_vocab_size`` draft ids are compared with the
 target's logits at ``t + 1 + s`` restricted to the same ids (``lm_head.weight[target_ids]``,
@@ -25,8 +25,9 @@ from torch import Tensor
 from infer.drafters.common import check_names, write_checkpoint
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
-from train.objectives.base import FeatureSpec, register
-from train.objectives.ttt import TTTObjective, forward_kl
+from train.objectives.base import OBJECTIVES, FeatureSpec
+from train.objectives.losses import forward_kl
+from train.objectives.ttt import TTTObjective
 
 _WHERE = "train config"
 DEFAULT_SPECULATIVE_TOKENS = 3  # vLLM's usual chain length; never more than the steps trained
@@ -62,7 +63,7 @@ def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[in
     return sorted(ids)
 
 
-@register("eagle3")
+@OBJECTIVES.register("eagle3")
 class Eagle3Objective(TTTObjective):
     """EAGLE-3 head + TTT unroll (module doc); ``self.drafter`` is an ``Eagle3Drafter``."""
 

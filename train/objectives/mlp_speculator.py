@@ -1,4 +1,4 @@
-"""IBM MLP speculator objective (REFERENCE section 5): teacher-forced heads over the frozen
+"""IBM MLP speculator objective (docs/reference.md §5): teacher-forced heads over the frozen
 target's last hidden state.
 
 Alignment (the one rule everything below follows): head ``i`` (0-based) at position ``t`` starts
@@ -13,8 +13,9 @@ contiguous). Loss: ``sum_i mean_t CE_i`` (the IBM recipe: CE summed over heads),
 ``objective.kd_weight > 0``, ``kd_weight * KL(target || head_i)`` against the target's own
 distribution for the same token (``heads.lm_head(hidden_{t+1+i})``).
 
-Two-stage training (stage 1 on dataset text, stage 2 on text the target generated itself) is run
-by the pipeline with the same objective on different rows; the objective is stage-agnostic.
+Two-stage training (stage 1 on dataset text, stage 2 on text the target generated itself) is
+listed by ``stages()`` and run by the pipeline with the same objective on different rows; the
+loss itself is stage-agnostic.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from torch import Tensor, nn
 from infer.drafters.common import write_checkpoint
 from infer.drafters.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorLayerNorm
 from infer.validation import config_error
-from train.objectives.base import FeatureSpec, LossOutput, Objective, register
+from train.objectives.base import (OBJECTIVES, FeatureSpec, LossOutput, Objective, Stage,
+                                   StageData)
+from train.objectives.losses import forward_kl, masked_mean
 
 
 def shifted_targets(input_ids: Tensor, loss_mask: Tensor, doc_ids: Tensor, n: int
@@ -66,7 +69,7 @@ def reset_parameters(model: MLPSpeculator) -> MLPSpeculator:
     return model
 
 
-@register("mlp_speculator")
+@OBJECTIVES.register("mlp_speculator")
 class MLPSpeculatorObjective(Objective):
     """Trains :class:`~infer.drafters.mlp_speculator.MLPSpeculator` (see the module doc).
 
@@ -104,6 +107,15 @@ class MLPSpeculatorObjective(Objective):
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(hidden=True)
 
+    def stages(self) -> list[Stage]:
+        """IBM's recipe: stage 1 on the dataset; with ``objective.stage2_steps``, stage 2 on
+        the same prompts answered by the target itself, for that many steps, no warmup."""
+        steps = self.cfg.objective.stage2_steps
+        if steps <= 0:
+            return [Stage()]
+        return [Stage(), Stage("stage2", StageData.target_answers,
+                               {"max_steps": steps, "warmup_steps": 0, "warmup_ratio": 0.0})]
+
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:
         ids = batch["input_ids"]  # [B, T]
         b, t = ids.shape
@@ -127,11 +139,11 @@ class MLPSpeculatorObjective(Objective):
             count = v.sum().clamp(min=1)
             ce = F.cross_entropy(logits.float().flatten(0, 1), targets[..., i].flatten(),
                                  reduction="none").view(b, t)  # [B, T]
-            head_loss = (ce * v).sum() / count
+            head_loss = masked_mean(ce, v)
             metrics[f"loss/head_{i}"] = head_loss.detach()
             if target_logp is not None:
                 m = max(t - 1 - i, 0)  # head i at t is matched by the target at t + 1 + i
-                kl = _kl(target_logp[:, 1 + i: 1 + i + m], logits[:, :m])  # [B, m]
+                kl = forward_kl(logits[:, :m], target_logp[:, 1 + i: 1 + i + m])  # [B, m]
                 kd = (kl * v[:, :m]).sum() / count
                 metrics[f"loss/kd_{i}"] = kd.detach()
                 head_loss = head_loss + self.kd_weight * kd
@@ -157,8 +169,3 @@ class MLPSpeculatorObjective(Objective):
         return write_checkpoint(path, self.drafter.config.to_dict(),
                                 {k: state[k] for k in names})
 
-
-def _kl(target_logp: Tensor, logits: Tensor) -> Tensor:
-    """``KL(p || q)`` per position: ``target_logp`` ``[.., V]`` (log p), ``logits`` of q."""
-    logq = F.log_softmax(logits.float(), dim=-1)
-    return (target_logp.exp() * (target_logp - logq)).sum(-1)

@@ -1,4 +1,4 @@
-"""PARD objective (REFERENCE section 6): adapt a small causal LM into a parallel drafter.
+"""PARD objective (docs/reference.md §6): adapt a small causal LM into a parallel drafter.
 
 Serving feeds ``[context..., last token, MASK x (k-1)]`` and reads k drafts off the last k
 logits. Training teaches every mask count at once: each packed row (``T`` tokens) is repeated
@@ -53,7 +53,8 @@ from infer.drafters.common import write_checkpoint
 from infer.models.loader import load_config, load_model, resolve_dtype
 from infer.proposers.draft_model import MASK_KEYS
 from infer.validation import config_error
-from train.objectives.base import FeatureSpec, LossOutput, Objective, register
+from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
+from train.objectives.losses import forward_kl, masked_mean
 
 _WHERE = "train config"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -118,7 +119,7 @@ def pard_batch(batch: dict[str, Tensor], k: int, mask_id: int,
 
 # ---- the objective -----------------------------------------------------------------------------
 
-@register("pard")
+@OBJECTIVES.register("pard")
 class PardObjective(Objective):
     """Trains a draft causal LM (``drafter.model``, or ``drafter.init_from``: an exported PARD
     directory) as a parallel drafter; see the module doc. ``objective.pard_k``, ``cod_ratio``,
@@ -179,11 +180,11 @@ class PardObjective(Objective):
         count = pb.valid.sum()
         ce = F.cross_entropy(logits.float().flatten(0, 1), pb.targets.flatten(),
                              reduction="none").view_as(pb.targets)  # [B, N]
-        ce_loss = (ce * pb.valid).sum() / count.clamp(min=1)
+        ce_loss = masked_mean(ce, pb.valid)
         loss, metrics = ce_loss, {"loss/ce": ce_loss.detach()}
         if self.kd_weight > 0:
             kd = self._kd(batch["hidden"], pb, logits)  # [B, N]
-            kd_loss = (kd * pb.valid).sum() / count.clamp(min=1)
+            kd_loss = masked_mean(kd, pb.valid)
             metrics["loss/kd"] = kd_loss.detach()
             loss = loss + self.kd_weight * kd_loss
         with torch.no_grad():
@@ -198,8 +199,7 @@ class PardObjective(Objective):
         with torch.no_grad():
             h = hidden[:, pb.index]  # [B, N, H]
             target_logp = F.log_softmax(lm(h.to(lm.weight.dtype)).float(), dim=-1)  # [B, N, V]
-        logq = F.log_softmax(logits.float(), dim=-1)
-        return (target_logp.exp() * (target_logp - logq)).sum(-1)
+        return forward_kl(logits, target_logp)
 
     def _accuracy(self, pb: PardBatch, right: Tensor, ce: Tensor, t: int) -> dict[str, Tensor]:
         """``acc_j`` / ``loss/copy_j`` per copy, ``full_acc_j`` (drafts 1..j+1 all right, from
@@ -260,11 +260,11 @@ def resolve_draft_dir(model: str | None, key: str, target_dir: str | Path) -> Pa
         from train.pipeline import download
 
         return Path(download(model, key))
-    from train.tiny_target import default_target_dir, paired_draft_dir
+    from train.tiny.corpus import default_target_dir, paired_draft_dir
 
     target = Path(target_dir).expanduser().resolve()
     if target == default_target_dir().expanduser().resolve():
-        from train.tiny_target_build import ensure_tiny_draft
+        from train.tiny.build import ensure_tiny_draft
 
         return Path(ensure_tiny_draft())
     paired = paired_draft_dir(target)

@@ -25,7 +25,7 @@ Loss of step ``s``: per-position loss (the method's) averaged over its valid pos
 ``sum_s step_weight ** s * loss_s``. Metrics (detached, no host sync): ``loss/step_s``, ``acc_s``
 (draft argmax == target argmax), ``full_acc_s`` (steps ``0 .. s`` all right from the same anchor:
 the chance a greedy chain accepts ``s + 1`` drafts), ``cond_acc_s`` (right at ``s`` given
-``0 .. s-1`` right) and ``acceptance_length_est = 1 + sum_s full_acc_s`` (REFERENCE section 3).
+``0 .. s-1`` right) and ``acceptance_length_est = 1 + sum_s full_acc_s`` (docs/reference.md §3).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from abc import abstractmethod
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.common import StepKV
 from infer.validation import check_float, check_int
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
+from train.objectives.losses import masked_mean
 
 _WHERE = "train config"
 
@@ -76,18 +76,6 @@ def shift_left(x: Tensor, n: int, fill: int = 0) -> Tensor:
     if n < x.shape[1]:
         y[:, : x.shape[1] - n] = x[:, n:]
     return y
-
-
-def masked_mean(values: Tensor, valid: Tensor) -> Tensor:
-    """Mean of ``values [B, n]`` over ``valid [B, n]`` (0 when nothing is valid; keeps grad)."""
-    return (values * valid).sum() / valid.sum().clamp(min=1)
-
-
-def forward_kl(logits: Tensor, target_logp: Tensor) -> Tensor:
-    """``KL(p || q)`` per position: ``logits [..., V]`` of q, ``target_logp [..., V]`` of p
-    -> ``[...]``. Soft cross-entropy minus the target entropy: same gradient, 0 at a match."""
-    logq = F.log_softmax(logits.float(), dim=-1)
-    return (target_logp.exp() * (target_logp - logq)).sum(-1)
 
 
 class StepStats:

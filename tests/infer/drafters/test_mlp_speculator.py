@@ -1,4 +1,4 @@
-"""MLP speculator (REFERENCE section 5): stage weights, vLLM config.json and tensor names,
+"""MLP speculator (docs/reference.md §5): stage weights, vLLM config.json and tensor names,
 save/load round trip, tied weights, teacher-forced vs chained forwards."""
 
 import json

@@ -8,7 +8,7 @@ from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from infer.kv_cache import KVCache
 from infer.models.llama import Llama, ModelConfig, ModelOutput
-from infer.proposers.base import DraftBatch, ProposerContext, VerifiedStep, get_proposer_class
+from infer.proposers.base import PROPOSERS, DraftBatch, ProposerContext, VerifiedStep
 from infer.proposers.eagle import EagleProposer
 from infer.proposers.eagle3 import Eagle3Proposer
 from infer.spec_config import SpeculativeConfig
@@ -49,7 +49,7 @@ def make(method, heads, target, rejection="strict", **extra):
     spec = SpeculativeConfig(method=method, model=heads[method], num_speculative_tokens=K,
                              rejection_sample_method=rejection, **extra)
     ctx = ProposerContext(target, TARGET, torch.device("cpu"), torch.float32, 4, 64, V)
-    return get_proposer_class(method)(spec, ctx)
+    return PROPOSERS.get(method)(spec, ctx)
 
 
 def fake_output(b, t, seed):
@@ -71,7 +71,7 @@ def run_two_steps(proposer, temperature=None, generator=None):
     p1 = proposer.propose(batch)
     d = p1.draft_ids.tolist()
     new = [[d[0][0], 40], [41]]
-    proposer.observe(VerifiedStep(slots, [1, 0], new, {"target_output": fake_output(2, K + 1, 11)}))
+    proposer.observe(VerifiedStep(slots, [1, 0], new, fake_output(2, K + 1, 11)))
     tokens = [t + n for t, n in zip(tokens, new)]
     p2 = proposer.propose(DraftBatch(slots, tokens, K, temperature=temperature,
                                      generator=generator))
@@ -79,8 +79,8 @@ def run_two_steps(proposer, temperature=None, generator=None):
 
 
 def test_registered():
-    assert get_proposer_class("eagle3") is Eagle3Proposer
-    assert get_proposer_class("eagle") is EagleProposer
+    assert PROPOSERS.get("eagle3") is Eagle3Proposer
+    assert PROPOSERS.get("eagle") is EagleProposer
 
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
@@ -143,12 +143,13 @@ def test_catch_up_and_rollback_equal_drafting_from_scratch(method, heads, target
 
 def test_eagle3_aux_layer_ids_and_real_target_output(heads, target):
     proposer = make("eagle3", heads, target)
-    assert proposer.aux_layer_ids == (1, 2, 3)  # default_aux_layer_ids(4), sorted
+    aux_ids = proposer.feature_spec().aux_layer_ids
+    assert aux_ids == (1, 2, 3)  # default_aux_layer_ids(4), sorted
     prompts = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
     cache = KVCache.for_model(TARGET, 4, 64)
     with torch.no_grad():
         out = target(prompts, cache, torch.tensor([1, 3]), num_tokens=torch.tensor([4, 3]),
-                     aux_layer_ids=proposer.aux_layer_ids)
+                     aux_layer_ids=aux_ids)
     proposer.prefilled([1, 3], [4, 3], out)
     drafts = proposer.propose(DraftBatch([1, 3], [[1, 2, 3, 4, 9], [5, 6, 7, 9]], K)).draft_ids
     assert drafts.shape == (2, K) and (drafts >= 0).all()
@@ -163,8 +164,8 @@ def test_wiring_errors_are_explicit(heads, target):
         proposer.prefilled([0], [3], no_aux)
     proposer.prefilled([0], [2], fake_output(1, 2, 0))
     proposer.propose(DraftBatch([0], [[1, 2, 3]], K))
-    with pytest.raises(RuntimeError, match="target_output"):
-        proposer.observe(VerifiedStep([0], [0], [[4]], {}))
+    with pytest.raises(TypeError, match="target_output"):  # the verify output is required
+        VerifiedStep([0], [0], [[4]])
     proposer.finish(0)
     with pytest.raises(RuntimeError, match="prefilled"):
         proposer.propose(DraftBatch([0], [[1, 2, 3, 4]], K))
@@ -175,7 +176,7 @@ def test_eagle3_rejects_a_mismatched_target(heads, target):
     spec = SpeculativeConfig(method="eagle3", model=heads["eagle3"], num_speculative_tokens=K)
     ctx = ProposerContext(target, small, torch.device("cpu"), torch.float32, 4, 64, V)
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
-        get_proposer_class("eagle3")(spec, ctx)
+        PROPOSERS.get("eagle3")(spec, ctx)
     ctx = ProposerContext(target, TARGET, torch.device("cpu"), torch.float32, 4, 64, V + 1)
     with pytest.raises(ValueError, match="vocab_size"):
-        get_proposer_class("eagle3")(spec, ctx)
+        PROPOSERS.get("eagle3")(spec, ctx)

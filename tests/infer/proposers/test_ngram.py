@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from infer.proposers.base import DraftBatch, ProposerContext, get_proposer_class
+from infer.proposers.base import PROPOSERS, DraftBatch, ProposerContext
 from infer.proposers.ngram import NgramProposer, ngram_propose
 from infer.spec_config import SpeculativeConfig
 
@@ -19,7 +19,7 @@ def make_proposer(n_min=2, n_max=3, k=3):
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=n_min,
                              prompt_lookup_max=n_max)
     ctx = ProposerContext(None, None, torch.device("cpu"), torch.float32, 4, 1024, 100)
-    return get_proposer_class("ngram")(spec, ctx)
+    return PROPOSERS.get("ngram")(spec, ctx)
 
 
 def test_match_found():
@@ -60,7 +60,7 @@ def test_most_recent_occurrence_with_full_continuation():
 
 
 def test_registry():
-    assert get_proposer_class("ngram") is NgramProposer
+    assert PROPOSERS.get("ngram") is NgramProposer
     assert NgramProposer.provides_draft_probs is False
 
 

@@ -7,16 +7,19 @@ from collections import Counter
 import pytest
 import torch
 
-from infer.proposers.base import DraftBatch, ProposerContext, VerifiedStep, get_proposer_class
+from infer.models.output import ModelOutput
+from infer.proposers.base import PROPOSERS, DraftBatch, ProposerContext, VerifiedStep
 from infer.proposers.suffix import SuffixProposer, SuffixTrie
 from infer.spec_config import SpeculativeConfig
+
+NO_OUTPUT = ModelOutput(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))  # suffix reads no states
 
 
 def make_proposer(k=3, **suffix):
     keys = {f"suffix_decoding_{key}": value for key, value in suffix.items()}
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=k, **keys)
     ctx = ProposerContext(None, None, torch.device("cpu"), torch.float32, 4, 1024, 100)
-    return get_proposer_class("suffix")(spec, ctx)
+    return PROPOSERS.get("suffix")(spec, ctx)
 
 
 def draft(prop, slot, history, k):
@@ -34,12 +37,12 @@ def serve(prop, slot, prompt, output, k=3):
     """The engine's call order: start, propose (after the prefill token), observe, finish."""
     prop.start(slot, prompt)
     draft(prop, slot, prompt + output[:1], k)
-    prop.observe(VerifiedStep([slot], [0], [output[1:]]))
+    prop.observe(VerifiedStep([slot], [0], [output[1:]], NO_OUTPUT))
     prop.finish(slot)
 
 
 def test_registry():
-    assert get_proposer_class("suffix") is SuffixProposer
+    assert PROPOSERS.get("suffix") is SuffixProposer
     assert SuffixProposer.provides_draft_probs is False
 
 
@@ -103,7 +106,7 @@ def test_global_cursors_follow_the_growing_history():
     prop.start(1, [60])
     history = [60, 1, 2]
     assert draft(prop, 1, history, 2) == [3, 4]
-    prop.observe(VerifiedStep([1], [2], [[3, 4, 5]]))
+    prop.observe(VerifiedStep([1], [2], [[3, 4, 5]], NO_OUTPUT))
     assert draft(prop, 1, history + [3, 4, 5], 2) == [6, 7]
 
 

@@ -16,7 +16,7 @@ from infer.models.loader import load_model
 from infer.sampling import SamplingParams
 from train.config import TrainConfig
 from train.features import target_heads
-from train.objectives.base import FeatureSpec, get_objective
+from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.ttt import StepStats, shift_left, step_valid, ttt_attention_mask
 from ..conftest import adam_steps, feature_batches
 
@@ -47,7 +47,7 @@ def make_env(train_data):
 
 def build(method, env, train_data, seed=0, **overrides):
     torch.manual_seed(seed)
-    return get_objective(method)(make_cfg(method, **overrides), env[1], train_data.vocab,
+    return OBJECTIVES.get(method)(make_cfg(method, **overrides), env[1], train_data.vocab,
                                  train_data.target_dir)
 
 
@@ -203,9 +203,9 @@ def test_small_target_needs_explicit_aux_ids(env, train_data):
     heads = dataclasses.replace(env[1], config=dataclasses.replace(env[1].config, num_layers=3))
     cfg = make_cfg("eagle3")
     with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids.*3-layer target"):
-        get_objective("eagle3")(cfg, heads, train_data.vocab, train_data.target_dir)
+        OBJECTIVES.get("eagle3")(cfg, heads, train_data.vocab, train_data.target_dir)
     cfg.drafter.aux_layer_ids = [0, 3]  # the embeddings and the last layer are allowed here
-    obj = get_objective("eagle3")(cfg, heads, train_data.vocab, train_data.target_dir)
+    obj = OBJECTIVES.get("eagle3")(cfg, heads, train_data.vocab, train_data.target_dir)
     assert obj.feature_spec().aux_layer_ids == (0, 3)
 
 
@@ -273,7 +273,7 @@ def test_init_from_other_vocab_maps_head_rows(trained, env, train_data, tmp_path
     vocab.t2d[new_ids] = True
     vocab.check()
     cfg = make_cfg("eagle3", init_from=str(path))
-    moved = get_objective("eagle3")(cfg, env[1], vocab, train_data.target_dir)
+    moved = OBJECTIVES.get("eagle3")(cfg, env[1], vocab, train_data.target_dir)
     old_row = {int(t): i for i, t in enumerate(ids)}
     for i, tok in enumerate(new_ids.tolist()):  # every kept token keeps its trained row
         if tok in old_row:

@@ -12,7 +12,7 @@ from infer.drafters.mlp_speculator import MLPSpeculator
 from infer.models.loader import load_model
 from train.config import TrainConfig
 from train.features import capture, target_heads
-from train.objectives.base import FeatureSpec, get_objective
+from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.mlp_speculator import MLPSpeculatorObjective, shifted_targets
 from ..conftest import adam_steps, feature_batches, own_continuations
 
@@ -36,7 +36,7 @@ def make(train_target, target, vocab, **drafter):
     for key, value in {"n_predict": 3, "inner_dim": 32, **drafter}.items():
         setattr(cfg.drafter, key, value)
     torch.manual_seed(0)
-    return get_objective("mlp_speculator")(cfg, target_heads(target), vocab, train_target)
+    return OBJECTIVES.get("mlp_speculator")(cfg, target_heads(target), vocab, train_target)
 
 
 def test_registered_and_needs_hidden(train_target, target, train_data):

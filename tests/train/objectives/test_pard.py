@@ -16,7 +16,7 @@ from infer import LLM
 from infer.models.loader import load_config, load_model
 from train.config import TrainConfig
 from train.features import target_heads
-from train.objectives.base import FeatureSpec, get_objective
+from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.pard import PardObjective, choose_mask_token, cod_selection, pard_batch
 from train.vocab import DraftVocab
 from ..conftest import adam_steps, feature_batches, own_continuations
@@ -59,7 +59,7 @@ def make(train_target, target, vocab, model, k=3, **settings):
     for key, value in settings.items():
         section = cfg.drafter if hasattr(cfg.drafter, key) else cfg.objective
         setattr(section, key, value)
-    return get_objective("pard")(cfg, target_heads(target), vocab, train_target)
+    return OBJECTIVES.get("pard")(cfg, target_heads(target), vocab, train_target)
 
 
 def hand_batch():

@@ -1,7 +1,7 @@
 """The harness report's outputs: results.json, results.md, PNG plots, and W&B logging.
 
-Every file is written to a temporary name in ``output_dir`` and renamed into place, so a reader
-(or a crashed run) never sees half a file. Plots use matplotlib's object API with the Agg canvas
+Every file is written atomically (``infer/atomic.py``), so a reader (or a crashed run) never sees
+half a file. Plots use matplotlib's object API with the Agg canvas
 (no pyplot state, no display needed):
 
 - ``per_position_acceptance.png``: acceptance rate per draft position, one bar series per method
@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from infer.atomic import atomic_file, write_text
+from infer.eval.results import ConfigResult, HarnessReport
 from infer.tracking import Logger
-
-if TYPE_CHECKING:
-    from infer.harness import ConfigResult, HarnessReport
 
 PLOTS = ("per_position_acceptance.png", "speedup_vs_k.png", "acceptance_length_vs_k.png")
 TABLE_COLUMNS = ["method", "k", "temperature", "batch_size", "acceptance_length",
@@ -34,7 +30,7 @@ TABLE_COLUMNS = ["method", "k", "temperature", "batch_size", "acceptance_length"
                  "predicted_speedup", "cost_draft", "cost_verify", "draft_coverage", "lossless"]
 
 
-def write_report(report: "HarnessReport", output_dir: str | os.PathLike) -> dict:
+def write_report(report: HarnessReport, output_dir: str | os.PathLike) -> dict:
     """results.json, results.md and the plots into ``output_dir``; returns ``report.files``."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -43,12 +39,12 @@ def write_report(report: "HarnessReport", output_dir: str | os.PathLike) -> dict
                                                 _plot_acceptance_length))
              if report.results and _save_figure(draw(report), out / name)]
     report.files = {"json": "results.json", "markdown": "results.md", "plots": plots}
-    write_text_atomic(out / "results.md", render_markdown(report))
-    write_text_atomic(out / "results.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    write_text(out / "results.md", render_markdown(report))
+    write_text(out / "results.json", json.dumps(report.to_dict(), indent=2) + "\n")
     return report.files
 
 
-def log_report(report: "HarnessReport", logger: Logger, *, step: int | None = None,
+def log_report(report: HarnessReport, logger: Logger, *, step: int | None = None,
                prefix: str = "eval") -> None:
     """The results table, the plots written by ``write_report``, recommended k and losslessness."""
     rows = [[_table_value(asdict(r)[c]) for c in TABLE_COLUMNS] for r in report.results]
@@ -70,21 +66,6 @@ def _table_value(value):
     return value
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(text))
-
-
-def _atomic(path: Path, fill) -> None:
-    """``fill(tmp)`` writes a temporary file beside ``path``, which then replaces ``path``."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        fill(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 # ---- markdown -------------------------------------------------------------------------------
 
 def _row(cells) -> str:
@@ -95,7 +76,7 @@ def _lossless_cell(value: bool | None) -> str:
     return "n/a (sampled)" if value is None else ("yes" if value else "**NO - MISMATCH**")
 
 
-def render_markdown(report: "HarnessReport") -> str:
+def render_markdown(report: HarnessReport) -> str:
     s = report.settings
     lines = ["# Acceptance evaluation", "",
              f"Target `{report.target}`, {s['num_prompts']} prompts, max_tokens "
@@ -143,7 +124,7 @@ def render_markdown(report: "HarnessReport") -> str:
 
 # ---- plots ----------------------------------------------------------------------------------
 
-def _grid(report: "HarnessReport", title: str) -> tuple[Figure, list]:
+def _grid(report: HarnessReport, title: str) -> tuple[Figure, list]:
     """One panel per (temperature, batch size): temperatures down, batch sizes across."""
     temps = sorted({r.temperature for r in report.results})
     batches = sorted({r.batch_size for r in report.results})
@@ -164,15 +145,15 @@ def _grid(report: "HarnessReport", title: str) -> tuple[Figure, list]:
     return fig, panels
 
 
-def _by_method(report: "HarnessReport", temp: float, batch: int) -> dict[str, list]:
-    out: dict[str, list["ConfigResult"]] = {}
+def _by_method(report: HarnessReport, temp: float, batch: int) -> dict[str, list]:
+    out: dict[str, list[ConfigResult]] = {}
     for r in report.results:
         if r.temperature == temp and r.batch_size == batch:
             out.setdefault(r.method, []).append(r)
     return {m: sorted(rows, key=lambda r: r.k) for m, rows in out.items()}
 
 
-def _plot_per_position(report: "HarnessReport") -> Figure:
+def _plot_per_position(report: HarnessReport) -> Figure:
     fig, panels = _grid(report, "Acceptance rate per draft position (largest k per method)")
     for ax, (temp, batch) in panels:
         methods = _by_method(report, temp, batch)
@@ -189,7 +170,7 @@ def _plot_per_position(report: "HarnessReport") -> Figure:
     return fig
 
 
-def _plot_speedup(report: "HarnessReport") -> Figure:
+def _plot_speedup(report: HarnessReport) -> Figure:
     fig, panels = _grid(report, "Speedup over autoregressive decoding vs k\n"
                                 "solid: measured, dashed: predicted, dotted: advisor's curve")
     colors = _colors(report)
@@ -212,7 +193,7 @@ def _plot_speedup(report: "HarnessReport") -> Figure:
     return fig
 
 
-def _plot_acceptance_length(report: "HarnessReport") -> Figure:
+def _plot_acceptance_length(report: HarnessReport) -> Figure:
     fig, panels = _grid(report, "Mean acceptance length vs k")
     colors = _colors(report)
     for ax, (temp, batch) in panels:
@@ -230,7 +211,7 @@ def _k_axis(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _colors(report: "HarnessReport") -> dict[str, str]:
+def _colors(report: HarnessReport) -> dict[str, str]:
     methods = list(dict.fromkeys(r.method for r in report.results))
     return {m: f"C{i % 10}" for i, m in enumerate(methods)}
 
@@ -239,5 +220,6 @@ def _save_figure(fig: Figure, path: Path) -> bool:
     """Atomic PNG write; False when there is nothing to plot."""
     if not fig.axes:
         return False
-    _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     return True

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.advisor import advise, advise_k, draft_cost_at, verify_cost_at
+from infer.eval.advisor import advise, advise_k, draft_cost_at, verify_cost_at
 from infer.engine import LLM
-from infer.harness import (ConfigResult, HarnessConfig, HarnessReport, expand_matrix,
+from infer.eval.harness import (ConfigResult, HarnessConfig, HarnessReport, expand_matrix,
                            load_prompts, prompt_from_record, run_harness)
-from infer.harness_report import PLOTS
+from infer.eval.report import PLOTS
 from infer.proposers import base
 from infer.proposers.base import Proposal, Proposer, pad_drafts
 from infer.sampling import SamplingParams
@@ -67,10 +67,10 @@ class ScriptedProposer(Proposer):
 def scripted(monkeypatch, tiny_target):
     """Registers ScriptedProposer as method "mtp" (a schema-valid method name this engine does
     not serve) in a copy of the registry, with greedy references from autoregressive decoding."""
-    base._import_builtin_proposers()
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
-    base._REGISTRY.pop("mtp", None)
-    base.register("mtp")(ScriptedProposer)
+    base.PROPOSERS.load_all()
+    monkeypatch.setattr(base.PROPOSERS, "_classes", dict(base.PROPOSERS._classes))
+    base.PROPOSERS.unregister("mtp")
+    base.PROPOSERS.register("mtp")(ScriptedProposer)
     llm = LLM(tiny_target, max_num_seqs=4, device="cpu")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     monkeypatch.setattr(ScriptedProposer, "references",
@@ -159,7 +159,7 @@ def test_lossless_mismatch_is_reported(scripted, tiny_target, tmp_path, caplog):
     scripted.correct = 0
     spec = {"name": "broken", "method": "mtp", "rejection_sample_method": "synthetic",
             "synthetic_acceptance_rate": 1.0}
-    with caplog.at_level(logging.ERROR, logger="infer.harness"):
+    with caplog.at_level(logging.ERROR, logger="infer.eval.harness"):
         report = run_harness(tiny_target, {"methods": [spec], "ks": [2],
                                            "temperatures": [0.0, 1.0]},
                              PROMPTS, max_tokens=6, output_dir=tmp_path, device="cpu",
@@ -308,7 +308,7 @@ def test_infer_mode_eval(tiny_target, tmp_path):
     register_configs()
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in PROMPTS))
-    conf_dir = str((Path(__file__).parents[2] / "conf").resolve())
+    conf_dir = str((Path(__file__).parents[3] / "conf").resolve())
     with initialize_config_dir(config_dir=conf_dir, version_base=None):
         dcfg = compose("infer", overrides=[
             "mode=eval", f"model={tiny_target}", "device=cpu", f"eval.dataset={data}",
@@ -331,11 +331,11 @@ def test_infer_mode_eval(tiny_target, tmp_path):
 
 def test_harness_loads_the_target_once(tiny_target, monkeypatch):
     """Every configuration and baseline forks one loaded engine (``LLM.with_config``)."""
-    import infer.engine
+    import infer.target
 
     loads = []
-    real = infer.engine.load_model
-    monkeypatch.setattr(infer.engine, "load_model",
+    real = infer.target.load_model
+    monkeypatch.setattr(infer.target, "load_model",
                         lambda *a, **k: loads.append(a) or real(*a, **k))
     report = run_harness(tiny_target, {"methods": [{"method": "ngram", "prompt_lookup_min": 1}],
                                        "ks": [1, 2], "batch_sizes": [1, 2]},

@@ -27,25 +27,24 @@ import math
 import os
 import platform
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import transformers
 from filelock import FileLock
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
-from tqdm.auto import tqdm
-from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerBase)
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from train.tiny_target import (DOC_TOKEN, EOS_TOKEN, TinyData, capped_corpus,
+from infer.atomic import atomic_dir, remove_leftovers
+from train.tiny.corpus import (DOC_TOKEN, EOS_TOKEN, TinyData, capped_corpus,
                                default_target_dir, paired_draft_dir, prepare_data, read_texts,
                                stdlib_root, train_tokenizer)
+from train.tiny.lm import (MAX_POSITIONS, TinyLMSpec, greedy_continuation, heldout_loss,
+                           make_model, train_lm, utf8_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -54,23 +53,6 @@ META_FILE = "draftsmith_meta.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES,
                   META_FILE)
-MAX_POSITIONS = 2048
-
-
-@dataclass(frozen=True)
-class TinyLMSpec:
-    """Dimensions and training budget of one tiny Llama LM (RoPE, RMSNorm, SwiGLU, GQA)."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int  # fewer than num_heads: grouped-query attention
-    intermediate_size: int  # SwiGLU width
-    steps: int  # the budget that makes a build deterministic
-    batch_size: int = 4  # rows of seq_len tokens; smaller batches learn more per token here
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    max_seconds: float = 600.0  # safety cap for a machine far slower than planned
 
 
 # Tuned on 2 shared CPU cores (AMD EPYC) with one torch thread: ~0.37 s/step for the target,
@@ -127,120 +109,6 @@ def _data_args(cfg: TinyBuildConfig) -> dict:
             "eval_rows": cfg.eval_rows}
 
 
-# ----------------------------------------------------------------------------- model, training
-
-def make_model(spec: TinyLMSpec, tokenizer: PreTrainedTokenizerBase,
-               seed: int) -> LlamaForCausalLM:
-    """A freshly initialised (seeded) tiny Llama with draftsmith's special-token ids."""
-    end_id, doc_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, DOC_TOKEN])
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.hidden_size // spec.num_heads, hidden_act="silu",
-        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=end_id, pad_token_id=doc_id,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    # Unit-scale input embeddings (the first RMSNorm rescales them anyway). With the default 0.02,
-    # the first attention layer's output, an average over earlier tokens, swamps the current
-    # token's identity and training sits on a plateau: measured on the default target, 200 steps
-    # of 8 rows reach a held-out loss of 4.61 with this init and 5.58-5.62 without it (lr 2e-3 to
-    # 5e-3); scaling the residual output projections by 1/sqrt(2 * layers) did not help.
-    with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0.0, 1.0)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[end_id, doc_id], pad_token_id=doc_id, bos_token_id=None)
-    return model
-
-
-def _schedule(spec: TinyLMSpec):
-    def factor(step: int) -> float:  # linear warmup, cosine down to 10% of the peak
-        if step < spec.warmup_steps:
-            return (step + 1) / spec.warmup_steps
-        t = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t)))
-    return factor
-
-
-def train_lm(model: LlamaForCausalLM, rows: torch.Tensor, spec: TinyLMSpec, seed: int, *,
-             progress: bool = True, desc: str = "train") -> dict:
-    """Next-token training on packed ``rows`` [n, seq_len] for ``spec.steps`` steps."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(spec))
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.empty(0, dtype=torch.long)
-    losses: list[float] = []
-    tokens, ema, stopped_early = 0, None, False
-    model.train()
-    start = time.monotonic()
-    bar = tqdm(total=spec.steps, desc=desc, disable=not progress, mininterval=2.0,
-               dynamic_ncols=True)
-    for step in range(spec.steps):
-        if time.monotonic() - start > spec.max_seconds:
-            stopped_early = True
-            break
-        while len(order) < spec.batch_size:  # epochs of seeded permutations
-            order = torch.cat([order, torch.randperm(len(rows), generator=gen)])
-        batch, order = rows[order[:spec.batch_size]], order[spec.batch_size:]  # [B, T]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        tokens += batch.numel()
-        ema = losses[-1] if ema is None else 0.95 * ema + 0.05 * losses[-1]
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}",
-                        tok_s=f"{tokens / max(1e-9, time.monotonic() - start):.0f}",
-                        refresh=False)
-    bar.close()
-    if stopped_early:
-        log.warning("%s: time cap of %.0f s reached after %d of %d steps; this build is not "
-                    "the deterministic one", desc, spec.max_seconds, len(losses), spec.steps)
-    model.eval()
-    every = max(1, len(losses) // 50)
-    curve = [[i + every, round(sum(losses[i:i + every]) / len(losses[i:i + every]), 4)]
-             for i in range(0, len(losses), every)]
-    return {"steps": len(losses), "planned_steps": spec.steps, "batch_size": spec.batch_size,
-            "seq_len": rows.shape[1], "lr": spec.lr, "warmup_steps": spec.warmup_steps,
-            "tokens_seen": tokens, "seconds": round(time.monotonic() - start, 2),
-            "num_threads": torch.get_num_threads(),
-            "stopped_early": stopped_early, "loss_curve": curve}
-
-
-@torch.no_grad()
-def heldout_loss(model: LlamaForCausalLM, rows: torch.Tensor, batch_size: int = 16) -> float:
-    """Mean next-token cross-entropy (nats) over ``rows`` [n, seq_len]."""
-    model.eval()
-    total, count = 0.0, 0
-    for batch in rows.split(batch_size):
-        logits = model(input_ids=batch).logits[:, :-1]  # [b, T-1, vocab]
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                 batch[:, 1:].reshape(-1), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return total / count
-
-
-def _utf8_bytes(tokenizer: PreTrainedTokenizerBase, rows: torch.Tensor) -> int:
-    return sum(len(tokenizer.decode(row).encode("utf-8")) for row in rows.tolist())
-
-
-@torch.no_grad()
-def greedy_continuation(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
-                        prompt: str, max_new_tokens: int) -> str:
-    ids = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
-
-
 # ----------------------------------------------------------------------------- saving, checking
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
@@ -254,28 +122,6 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     if "extra_special_tokens" in cfg and "additional_special_tokens" not in cfg:
         cfg["additional_special_tokens"] = cfg.pop("extra_special_tokens")
     path.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-def _write_atomically(dest: Path, fill) -> None:
-    """Run ``fill(tmp_dir)`` in a fresh directory beside ``dest``, then move it to ``dest``."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        fill(tmp)
-        for f in tmp.iterdir():  # mkdtemp makes 0700; a cache is shared like any download
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if dest.exists() or dest.is_symlink():  # rename() does not replace a non-empty dir
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def check_tiny_build(path: str | os.PathLike, kind: str = "target",
@@ -379,7 +225,7 @@ def _build_one(kind: str, dest: Path, spec: TinyLMSpec, cfg: TinyBuildConfig,
         "heldout_loss": round(loss, 5), "heldout_tokens": data.eval_rows[:, 1:].numel(),
         # tokenizer-independent: the same total loss per UTF-8 byte of the predicted text, in bits
         "heldout_bits_per_byte": round(loss * data.eval_rows[:, 1:].numel() / math.log(2)
-                                       / _utf8_bytes(tokenizer, data.eval_rows[:, 1:]), 5),
+                                       / utf8_bytes(tokenizer, data.eval_rows[:, 1:]), 5),
         "sample": {"prompt": data.sample_prompt, "completion": sample},
         "chat_sample": {"prompt": chat_prompt, "completion": chat_sample},
         "data_prep_seconds": round(data.seconds, 2),
@@ -389,7 +235,7 @@ def _build_one(kind: str, dest: Path, spec: TinyLMSpec, cfg: TinyBuildConfig,
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
-    def fill(tmp: Path) -> None:
+    with atomic_dir(dest) as tmp:  # a cache is shared like any download: normal permissions
         model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors
         if tokenizer_from is None:
             _save_tokenizer(tokenizer, tmp)
@@ -398,8 +244,6 @@ def _build_one(kind: str, dest: Path, spec: TinyLMSpec, cfg: TinyBuildConfig,
                 shutil.copy2(tokenizer_from / name, tmp / name)
         meta["tokenizer"]["sha256"] = _sha256(tmp / "tokenizer.json")
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-
-    _write_atomically(dest, fill)
     log.info("tiny %s: held-out loss %.4f after %d steps (%d tokens) -> %s", kind, loss,
              stats["steps"], stats["tokens_seen"], dest)
     return meta
@@ -455,9 +299,7 @@ def _locked(dest: Path):
     """Serialise builders of ``dest`` across processes; clears leftovers of killed builds."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest.parent / f".{dest.name}.lock")):
-        for stale in [*dest.parent.glob(f".{dest.name}.tmp-*"),
-                      *dest.parent.glob(f".{dest.name}.old-*")]:
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_leftovers(dest)
         yield
 
 

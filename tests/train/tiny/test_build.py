@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
-from train import tiny_target_build as tb
-from train.tiny_target import (CHAT_TEMPLATE, DOC_TOKEN, EOS_TOKEN, default_cache_dir,
+from train.tiny import build as tb
+from train.tiny.corpus import (CHAT_TEMPLATE, DOC_TOKEN, EOS_TOKEN, default_cache_dir,
                                default_draft_dir, default_target_dir, pack_documents,
                                paired_draft_dir, stdlib_corpus, train_tokenizer,
                                training_documents)

@@ -1,8 +1,8 @@
 """Prompt sets for the acceptance harness: local files and Hugging Face datasets in common shapes.
 
 ``load_prompts(source, num=, split=, subset=, tokenizer=, chat=, field=)`` reads local .jsonl /
-.json (a list of records, or an object holding one) directly, and .csv / .parquet / .arrow files,
-dataset directories and hub ids through ``datasets.load_dataset``. Each record yields one prompt
+.json / .csv / .parquet / .arrow files, dataset folders and hub ids with the reader training data
+uses (``infer.data_sources.load_source``). Each record yields one prompt
 (``prompt_from_record``): ``prompt_token_ids`` (passed through), ``messages`` / ``conversations``
 (OpenAI or ShareGPT turns up to the first user turn), ``turns`` (MT-bench, first turn),
 ``question`` (GSM8K), ``instruction`` (+ ``input``), ``prompt`` (HumanEval: plain text), ``text``.
@@ -11,10 +11,10 @@ Chat-style prompts go through the tokenizer's chat template (``render_prompt``).
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+from infer.data_sources import ROLES, load_source
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,11 @@ def prompt_from_record(record: Mapping[str, Any], field: str | None = None) -> t
                      f"got keys {sorted(record)}")
 
 
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "system": "system", "model": "assistant"}
-
-
 def _first_user_turn(turns: Sequence[Any]) -> list[dict]:
     """Messages up to and including the first user turn, as {"role", "content"}."""
     out = []
     for turn in turns:
-        role = _ROLES.get(str(turn.get("role", turn.get("from", ""))).lower(), "user")
+        role = ROLES.get(str(turn.get("role", turn.get("from", ""))).lower(), "user")
         content = turn.get("content", turn.get("value", ""))
         out.append({"role": role, "content": content})
         if role == "user":
@@ -90,7 +86,7 @@ def load_prompts(source: str, *, num: int | None = None, split: str = "test",
     object holding one), a local .csv / .parquet file or dataset folder, or a Hugging Face hub
     dataset id (``split``, ``subset``), rendered by ``render_prompt``."""
     prompts = []
-    for i, record in enumerate(_records(source, split, subset)):
+    for i, record in enumerate(load_source(source, split, subset=subset)):
         if num is not None and len(prompts) >= num:
             break
         if not isinstance(record, Mapping):
@@ -103,38 +99,3 @@ def load_prompts(source: str, *, num: int | None = None, split: str = "test",
     if not prompts:
         raise ValueError(f"{source}: no prompts found")
     return prompts
-
-
-def _records(source: str, split: str, subset: str | None) -> Iterator[Any]:
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".jsonl":
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        return
-    if path.is_file() and path.suffix == ".json":
-        obj = json.loads(path.read_text())
-        if isinstance(obj, Mapping):
-            lists = [obj[k] for k in (split, "data", "rows", "examples", "train") if
-                     isinstance(obj.get(k), list)]
-            if not lists:
-                raise ValueError(f"{path}: expected a list of records or an object with a "
-                                 f"'{split}', 'data', 'rows' or 'examples' list")
-            obj = lists[0]
-        yield from obj
-        return
-    import datasets
-
-    if path.is_file():
-        kind = {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .json, .jsonl, "
-                             ".csv, .parquet or .arrow")
-        yield from datasets.load_dataset(kind, data_files=str(path), split="train")
-    elif path.is_dir():
-        yield from datasets.load_dataset(str(path), subset, split=split)
-    else:  # a hub id (needs the network or a populated HF cache)
-        yield from datasets.load_dataset(source, subset, split=split)

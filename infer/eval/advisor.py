@@ -89,7 +89,7 @@ def advise_k(per_position: Sequence[float], costs: Mapping[int, tuple[float, flo
 def advise(results: Sequence[Any]) -> tuple[list[dict], dict[str, int]]:
     """Advisor records per (method, batch size, temperature) and one k per method, from rows
     with ``method, batch_size, temperature, k, per_position, cost_draft, cost_verify,
-    draft_coverage`` (``infer.harness.ConfigResult``)."""
+    draft_coverage`` (``infer.eval.harness.ConfigResult``)."""
     groups: dict[tuple, list[Any]] = {}
     for r in results:
         groups.setdefault((r.method, r.batch_size, r.temperature), []).append(r)

@@ -7,7 +7,7 @@ them, split by file into train and held-out sets, and saves normal Hugging Face 
 
 This module holds the pieces other modules rely on (the chat template, the tokenizer, the corpus
 split, the cache location, the training / held-out token streams); the builder that trains and
-caches the models is ``train/tiny_target_build.py`` (``ensure_tiny_target``, ``build_tiny_target``).
+caches the models is ``train/tiny/build.py`` (``ensure_tiny_target``, ``build_tiny_target``).
 """
 
 from __future__ import annotations

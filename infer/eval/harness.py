@@ -4,41 +4,23 @@
 configuration (method x k x temperature x batch size) with draftsmith's engine, once more without
 speculation per (batch size, temperature) as the baseline, and returns a ``HarnessReport``; with
 ``output_dir`` it writes ``results.json``, ``results.md`` and PNG plots there (see
-``infer/harness_report.py`` and ``docs/harness.md``), and with a ``logger`` it logs the same to
-W&B. Metrics come from ``infer.metrics.SpecMetrics`` (the one definition); costs are measured by
-wrapping the engine's methods from outside (``instrument``).
+``infer/eval/report.py`` and ``docs/harness.md``), and with a ``logger`` it logs the same to
+W&B. Metrics come from ``infer.metrics.SpecMetrics`` (the one definition); costs come from the
+step timers the engine fills (``infer/timing.py``).
 
 Costs (``cost_draft``, ``cost_verify``, in units of one autoregressive step at the same batch
 size and temperature), the predicted speedup and the k advisor are defined in
-``infer/advisor.py``.
+``infer/eval/advisor.py``.
 
 Greedy rows (temperature 0) must reproduce the autoregressive outputs token for token; a
 mismatch sets ``lossless: false``, is logged as an error and flagged in results.md.
 
 Prompts: a list of strings / token-id lists (the entry point passes the held-out code prompts), or
-``load_prompts(source)`` (``infer/prompt_sets.py``, re-exported here) for local json / jsonl /
+``load_prompts(source)`` (``infer/eval/prompt_sets.py``, re-exported here) for local json / jsonl /
 csv / parquet files and Hugging Face datasets in the common shapes (``prompt``, ``question``,
 ``turns``, ``messages`` / ``conversations``, ``instruction``, ``text``).
 
-results.json keys (``schema_version`` 1; documented in docs/harness.md):
-
-- top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts,
-  ignore_eos, device (resolved), dtype, seed, warmup, torch, torch_threads), ``baselines``,
-  ``results``, ``advisor``, ``recommended_k`` (method -> k), ``lossless`` (false iff any greedy
-  row mismatched), ``files`` (markdown and plot file names).
-- ``baselines[]``: ``batch_size``, ``temperature``, ``tok_s``, ``tokens``, ``seconds``,
-  ``steps``, ``c_ar_s``.
-- ``results[]``: ``method`` (the label), ``speculative_config`` (resolved, vLLM schema), ``k``,
-  ``temperature``, ``batch_size``, ``acceptance_length``, ``acceptance_rate``, ``per_position``
-  (k rates), ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
-  ``num_accepted_tokens_per_pos``, ``draft_coverage``, ``tokens``, ``seconds``, ``tok_s``,
-  ``ar_tok_s``, ``speedup``, ``predicted_speedup``, ``tokens_per_step``, ``cost_draft``,
-  ``cost_verify``, ``c_ar_s``, ``c_step_s``, ``c_draft_s``, ``c_verify_s``,
-  ``c_verify_forward_s``, ``steps``, ``lossless`` (bool; null for sampled rows),
-  ``mismatched_prompts`` (prompt indices), ``num_errors``.
-- ``advisor[]``: ``method``, ``batch_size``, ``temperature``, ``measured_ks``,
-  ``recommended_k``, ``predicted_speedup``, ``candidates[]`` (``k``, ``expected_accepted``,
-  ``cost_draft``, ``cost_verify``, ``predicted_speedup``).
+results.json keys: ``infer/eval/results.py``.
 """
 
 from __future__ import annotations
@@ -47,25 +29,27 @@ import gc
 import logging
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from infer.advisor import advise, predicted_speedup
 from infer.engine import LLM
+from infer.eval.advisor import advise, predicted_speedup
+from infer.eval.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
+from infer.eval.results import Baseline, ConfigResult, HarnessReport
 from infer.metrics import SpecMetrics
-from infer.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
+from infer.request import RequestOutput
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
+from infer.target import Target
+from infer.timing import EngineTimers
 from infer.tracking import Logger, NoopLogger
 from infer.validation import check_float, check_int, config_error
 
 log = logging.getLogger(__name__)
 _WHERE = "harness"
-SCHEMA_VERSION = 1
 
 
 # ---- the matrix -----------------------------------------------------------------------------
@@ -123,74 +107,6 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
             for name, m in labelled for k in ks for t in temperatures for b in batch_sizes]
 
 
-# ---- timing ---------------------------------------------------------------------------------
-
-class Timer:
-    """Accumulates wall time, calls, per-call durations and (optionally) batch rows of a wrapped
-    function. On CUDA it synchronises around each call so the time is the device's."""
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.seconds, self.calls, self.rows = 0.0, 0, 0
-        self.durations: list[float] = []
-        self.cuda = torch.device(device).type == "cuda" if device is not None else False
-
-    def wrap(self, fn: Callable, rows: Callable[..., int] | None = None) -> Callable:
-        def timed(*args, **kwargs):
-            if self.cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            if self.cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            self.seconds += elapsed
-            self.durations.append(elapsed)
-            self.calls += 1
-            self.rows += rows(*args, **kwargs) if rows is not None else 0
-            return out
-        return timed
-
-    @property
-    def mean(self) -> float:
-        return self.seconds / self.calls if self.calls else 0.0
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.durations) if self.durations else 0.0
-
-
-@dataclass
-class EngineTimers:
-    """``step``: ``speculative_step``; ``verify``: target forwards of steps (not prefills), whose
-    ``rows`` count request-steps; ``draft``: ``proposer.propose``; ``prefill``: prompt
-    prefills (speculation does not change them)."""
-
-    step: Timer
-    verify: Timer
-    draft: Timer
-    prefill: Timer
-
-
-@contextmanager
-def instrument(llm: LLM) -> Iterator[EngineTimers]:
-    """Time an engine's steps, verify forwards, prefills and proposer calls; restores them on
-    exit."""
-    timers = EngineTimers(*(Timer(llm.device) for _ in range(4)))
-    patched = [(llm, "speculative_step", timers.step.wrap(llm.speculative_step)),
-               (llm, "_verify", timers.verify.wrap(  # graph replays included, prefills not
-                   llm._verify, rows=lambda ids, *a, **k: ids.shape[0])),
-               (llm, "_prefill", timers.prefill.wrap(llm._prefill))]
-    if llm.proposer is not None:
-        patched.append((llm.proposer, "propose", timers.draft.wrap(llm.proposer.propose)))
-    for obj, name, fn in patched:
-        setattr(obj, name, fn)  # instance attribute shadows the method
-    try:
-        yield timers
-    finally:
-        for obj, name, _ in patched:
-            obj.__dict__.pop(name, None)
-
-
 # ---- one run --------------------------------------------------------------------------------
 
 @dataclass
@@ -221,6 +137,18 @@ def warm_up(llm: LLM, prompts: list, params: SamplingParams) -> None:
         llm.proposer.reset()
 
 
+def timed_generate(llm: LLM, prompts: list, params: SamplingParams
+                   ) -> tuple[list[RequestOutput], float, EngineTimers]:
+    """One ``generate`` with the engine's step timers on: (outputs, wall seconds, timers)."""
+    llm.timers = timers = EngineTimers.on(llm.device)
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        return outs, time.perf_counter() - start, timers
+    finally:
+        llm.timers = None
+
+
 def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params: SamplingParams,
              batch_size: int, warmup: bool) -> _Run:
     llm = engine.with_config(spec, max_num_seqs=batch_size)  # the target stays loaded; same seed
@@ -228,10 +156,7 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
     try:
         if warmup:
             warm_up(llm, prompts, params)
-        with instrument(llm) as timers:
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            seconds = time.perf_counter() - start
+        outs, seconds, timers = timed_generate(llm, prompts, params)
     finally:
         on_cuda = llm.device.type == "cuda"
         del llm
@@ -240,99 +165,56 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
             torch.cuda.empty_cache()
     metrics = SpecMetrics()
     for o in outs:  # this call's requests only (not the warm-up)
-        metrics.merge(SpecMetrics(o.metrics["num_drafts"], o.metrics["num_draft_tokens"],
-                                  o.metrics["num_accepted_tokens"],
-                                  list(o.metrics["num_accepted_tokens_per_pos"])))
+        metrics.merge(SpecMetrics.from_dict(o.metrics))
     return _Run([list(o.token_ids) for o in outs], metrics, sum(len(o.token_ids) for o in outs),
                 seconds, sum(o.error is not None for o in outs), timers, device)
 
 
-# ---- results --------------------------------------------------------------------------------
-
-@dataclass
-class Baseline:
-    batch_size: int
-    temperature: float
-    tok_s: float
-    tokens: int
-    seconds: float
-    steps: int
-    c_ar_s: float
-
-
-@dataclass
-class ConfigResult:
-    """One row of results.json (keys documented in the module docstring)."""
-
-    method: str
-    speculative_config: dict
-    k: int
-    temperature: float
-    batch_size: int
-    acceptance_length: float
-    acceptance_rate: float
-    per_position: list[float]
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_accepted_tokens_per_pos: list[int]
-    draft_coverage: float
-    tokens: int
-    seconds: float
-    tok_s: float
-    ar_tok_s: float
-    speedup: float
-    predicted_speedup: float
-    tokens_per_step: float
-    cost_draft: float
-    cost_verify: float
-    c_ar_s: float
-    c_step_s: float
-    c_draft_s: float
-    c_verify_s: float
-    c_verify_forward_s: float
-    steps: int
-    lossless: bool | None
-    mismatched_prompts: list[int] = field(default_factory=list)
-    num_errors: int = 0
-
-
-@dataclass
-class HarnessReport:
-    target: str
-    settings: dict
-    baselines: list[Baseline]
-    results: list[ConfigResult]
-    advisor: list[dict]
-    recommended_k: dict[str, int]
-    created: str
-    output_dir: str | None = None
-    files: dict = field(default_factory=dict)
-
-    @property
-    def lossless(self) -> bool:
-        return all(r.lossless is not False for r in self.results)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "HarnessReport":
-        """Rebuild a report from results.json (to redraw plots, compare runs ...)."""
-        return cls(target=data["target"], settings=dict(data["settings"]),
-                   baselines=[Baseline(**b) for b in data["baselines"]],
-                   results=[ConfigResult(**r) for r in data["results"]],
-                   advisor=list(data["advisor"]), recommended_k=dict(data["recommended_k"]),
-                   created=data["created"], files=dict(data.get("files", {})))
-
-    def to_dict(self) -> dict:
-        return {"schema_version": SCHEMA_VERSION, "created": self.created, "target": self.target,
-                "settings": self.settings, "baselines": [asdict(b) for b in self.baselines],
-                "results": [asdict(r) for r in self.results], "advisor": self.advisor,
-                "recommended_k": self.recommended_k, "lossless": self.lossless,
-                "files": self.files}
-
-
 # ---- the harness ----------------------------------------------------------------------------
 
-def run_harness(target: str, configs: Sequence[HarnessConfig] | Mapping[str, Any],
+@dataclass
+class _Matrix:
+    """Runs configurations on one loaded engine; each autoregressive baseline runs once per
+    (batch size, temperature) and serves every configuration with those settings."""
+
+    engine: LLM
+    prompts: list
+    max_tokens: int
+    ignore_eos: bool
+    warmup: bool
+    baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = field(default_factory=dict)
+
+    def params(self, temperature: float) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos)
+
+    def baseline(self, batch: int, temp: float) -> tuple[Baseline, _Run]:
+        if (batch, temp) not in self.baselines:
+            run = _measure(self.engine, None, self.prompts, self.params(temp), batch,
+                           self.warmup)
+            base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, run.timers.step.calls,
+                            run.timers.step.median)
+            log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
+            self.baselines[(batch, temp)] = (base, run)
+        return self.baselines[(batch, temp)]
+
+    def row(self, cfg: HarnessConfig) -> ConfigResult:
+        base, ar = self.baseline(cfg.batch_size, cfg.temperature)
+        spec = cfg.spec()
+        run = _measure(self.engine, spec, self.prompts, self.params(cfg.temperature),
+                       cfg.batch_size, self.warmup)
+        row = _result(cfg, spec, run, base, ar)
+        log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
+                 row.method, row.k, row.temperature, row.batch_size, row.acceptance_length,
+                 row.speedup, row.predicted_speedup)
+        return row
+
+    @property
+    def device(self) -> str:
+        return str(self.engine.device)
+
+
+def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping[str, Any],
                 prompts: Sequence[Any], *, max_tokens: int = 64,
                 output_dir: str | Path | None = None, logger: Logger | None = None,
                 device: str = "auto", dtype: str = "auto", seed: int = 0,
@@ -340,13 +222,12 @@ def run_harness(target: str, configs: Sequence[HarnessConfig] | Mapping[str, Any
                 step: int | None = None, prefix: str = "eval") -> HarnessReport:
     """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
 
-    Writes results.json / results.md / plots into ``output_dir`` when given; logs per-config
-    acceptance scalars, the results table and the plots to ``logger`` at ``step`` under
-    ``prefix``. Returns the report.
+    ``target``: a model directory (loaded once; device / dtype / max_model_len apply) or a
+    loaded :class:`~infer.target.Target`. Writes results.json / results.md / plots into
+    ``output_dir`` when given; logs per-config acceptance scalars, the results table and the
+    plots to ``logger`` at ``step`` under ``prefix``. Returns the report.
     """
-    if isinstance(configs, Mapping):
-        configs = expand_matrix(**configs)
-    configs = list(configs)
+    configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
     prompts = list(prompts)
     if not prompts:
         raise ValueError("run_harness: no prompts")
@@ -354,52 +235,29 @@ def run_harness(target: str, configs: Sequence[HarnessConfig] | Mapping[str, Any
         cfg.spec()
     check_int("max_tokens", max_tokens, _WHERE, minimum=1)
     logger = logger or NoopLogger()
-    engine = LLM(target, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                 max_num_seqs=1)  # loads the target once; each run forks it (LLM.with_config)
-    baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = {}
-
-    def baseline(batch: int, temp: float) -> tuple[Baseline, _Run]:
-        if (batch, temp) not in baselines:
-            run = _measure(engine, None, prompts, _params(temp, max_tokens, ignore_eos), batch,
-                           warmup)
-            base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, run.timers.step.calls,
-                            run.timers.step.median)
-            log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
-            baselines[(batch, temp)] = (base, run)
-        return baselines[(batch, temp)]
-
+    loaded = {} if isinstance(target, Target) else dict(device=device, dtype=dtype,
+                                                         max_model_len=max_model_len)
+    engine = LLM(target, seed=seed, max_num_seqs=1, **loaded)  # each run forks it (with_config)
+    matrix = _Matrix(engine, prompts, max_tokens, ignore_eos, warmup)
     results = []
     for cfg in configs:
-        base, ar = baseline(cfg.batch_size, cfg.temperature)
-        spec = cfg.spec()
-        run = _measure(engine, spec, prompts, _params(cfg.temperature, max_tokens, ignore_eos),
-                       cfg.batch_size, warmup)
-        row = _result(cfg, spec, run, base, ar)
-        results.append(row)
-        log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
-                 row.method, row.k, row.temperature, row.batch_size, row.acceptance_length,
-                 row.speedup, row.predicted_speedup)
-        logger.log_acceptance(f"{prefix}/{config_id(row)}", asdict(row), step=step)
-
+        results.append(matrix.row(cfg))
+        logger.log_acceptance(f"{prefix}/{config_id(results[-1])}", asdict(results[-1]),
+                              step=step)
     advisor, recommended = advise(results)
     report = HarnessReport(
-        target=str(target), baselines=[b for b, _ in baselines.values()], results=results,
-        advisor=advisor, recommended_k=recommended,
-        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        target=str(target if isinstance(target, str) else "loaded Target"),
+        baselines=[b for b, _ in matrix.baselines.values()], results=results, advisor=advisor,
+        recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         settings={"max_tokens": max_tokens, "num_prompts": len(prompts), "ignore_eos": ignore_eos,
-                  "device": next(iter(baselines.values()))[1].device if baselines else device,
-                  "dtype": dtype, "seed": seed, "warmup": warmup,
+                  "device": matrix.device, "dtype": dtype, "seed": seed, "warmup": warmup,
                   "torch": torch.__version__, "torch_threads": torch.get_num_threads()})
-    from infer.harness_report import log_report, write_report  # matplotlib: only when needed
+    from infer.eval.report import log_report, write_report  # matplotlib: only when needed
 
     if output_dir is not None:
         write_report(report, output_dir)
     log_report(report, logger, step=step, prefix=prefix)
     return report
-
-
-def _params(temperature: float, max_tokens: int, ignore_eos: bool) -> SamplingParams:
-    return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def config_id(row: ConfigResult | HarnessConfig) -> str:

@@ -1,0 +1,110 @@
+"""What the acceptance harness produces: ``HarnessReport`` (results.json) and its rows.
+
+results.json keys (``schema_version`` 1; documented in docs/harness.md):
+
+- top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts,
+  ignore_eos, device (resolved), dtype, seed, warmup, torch, torch_threads), ``baselines``,
+  ``results``, ``advisor``, ``recommended_k`` (method -> k), ``lossless`` (false iff any greedy
+  row mismatched), ``files`` (markdown and plot file names).
+- ``baselines[]``: ``batch_size``, ``temperature``, ``tok_s``, ``tokens``, ``seconds``,
+  ``steps``, ``c_ar_s``.
+- ``results[]``: ``method`` (the label), ``speculative_config`` (resolved, vLLM schema), ``k``,
+  ``temperature``, ``batch_size``, ``acceptance_length``, ``acceptance_rate``, ``per_position``
+  (k rates), ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
+  ``num_accepted_tokens_per_pos``, ``draft_coverage``, ``tokens``, ``seconds``, ``tok_s``,
+  ``ar_tok_s``, ``speedup``, ``predicted_speedup``, ``tokens_per_step``, ``cost_draft``,
+  ``cost_verify``, ``c_ar_s``, ``c_step_s``, ``c_draft_s``, ``c_verify_s``,
+  ``c_verify_forward_s``, ``steps``, ``lossless`` (bool; null for sampled rows),
+  ``mismatched_prompts`` (prompt indices), ``num_errors``.
+- ``advisor[]``: ``method``, ``batch_size``, ``temperature``, ``measured_ks``,
+  ``recommended_k``, ``predicted_speedup``, ``candidates[]`` (``k``, ``expected_accepted``,
+  ``cost_draft``, ``cost_verify``, ``predicted_speedup``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Baseline:
+    batch_size: int
+    temperature: float
+    tok_s: float
+    tokens: int
+    seconds: float
+    steps: int
+    c_ar_s: float
+
+
+@dataclass
+class ConfigResult:
+    """One row of results.json (keys documented in the module docstring)."""
+
+    method: str
+    speculative_config: dict
+    k: int
+    temperature: float
+    batch_size: int
+    acceptance_length: float
+    acceptance_rate: float
+    per_position: list[float]
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+    draft_coverage: float
+    tokens: int
+    seconds: float
+    tok_s: float
+    ar_tok_s: float
+    speedup: float
+    predicted_speedup: float
+    tokens_per_step: float
+    cost_draft: float
+    cost_verify: float
+    c_ar_s: float
+    c_step_s: float
+    c_draft_s: float
+    c_verify_s: float
+    c_verify_forward_s: float
+    steps: int
+    lossless: bool | None
+    mismatched_prompts: list[int] = field(default_factory=list)
+    num_errors: int = 0
+
+
+@dataclass
+class HarnessReport:
+    target: str
+    settings: dict
+    baselines: list[Baseline]
+    results: list[ConfigResult]
+    advisor: list[dict]
+    recommended_k: dict[str, int]
+    created: str
+    output_dir: str | None = None
+    files: dict = field(default_factory=dict)
+
+    @property
+    def lossless(self) -> bool:
+        return all(r.lossless is not False for r in self.results)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "HarnessReport":
+        """Rebuild a report from results.json (to redraw plots, compare runs ...)."""
+        return cls(target=data["target"], settings=dict(data["settings"]),
+                   baselines=[Baseline(**b) for b in data["baselines"]],
+                   results=[ConfigResult(**r) for r in data["results"]],
+                   advisor=list(data["advisor"]), recommended_k=dict(data["recommended_k"]),
+                   created=data["created"], files=dict(data.get("files", {})))
+
+    def to_dict(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "created": self.created, "target": self.target,
+                "settings": self.settings, "baselines": [asdict(b) for b in self.baselines],
+                "results": [asdict(r) for r in self.results], "advisor": self.advisor,
+                "recommended_k": self.recommended_k, "lossless": self.lossless,
+                "files": self.files}

@@ -1,0 +1,89 @@
+"""The loaded target: model, tokenizer, stop ids, device and context length.
+
+Loading a target is the expensive part of an engine, and everything else an engine holds (KV
+cache, proposer, metrics, seed, running requests) belongs to one run. Keeping the two apart lets
+the harness and training's in-loop evaluation run many configurations on one loaded target:
+``LLM(target, speculative_config=...)`` accepts a :class:`Target` in place of a path, and
+``LLM.with_config`` is exactly that. The target is only read after loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infer.models.llama import Llama
+from infer.models.loader import load_model
+from infer.validation import config_error
+
+_WHERE = "LLM"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A loaded target model and what comes with it; shared read-only by engines."""
+
+    model: Llama
+    tokenizer: Any  # transformers tokenizer, or None (token-id prompts only)
+    eos_ids: frozenset[int]  # the config's EOS ids and the tokenizer's
+    device: torch.device
+    max_model_len: int
+
+    @classmethod
+    def load(cls, path: str, *, dtype: str = "auto", device: str = "auto",
+             max_model_len: int | None = None, tokenizer: str | None = None) -> "Target":
+        """Load ``path`` (dtype "auto": the checkpoint's on CUDA, float32 on CPU, where bf16
+        matmuls are slow); ``max_model_len`` None: the model's, at most 4096."""
+        dtype = str(dtype)  # a config enum member -> its value
+        if dtype != "auto" and dtype not in DTYPES:
+            raise config_error("dtype", dtype, f"'auto' or one of {', '.join(DTYPES)}", _WHERE)
+        dev = resolve_device(device)
+        model = load_model(path, dtype=_resolve_dtype(dtype, dev), device=dev)
+        cfg = model.config
+        limit = max_model_len or min(cfg.max_position_embeddings, 4096)
+        if limit > cfg.max_position_embeddings:
+            raise config_error("max_model_len", max_model_len,
+                               f"<= the model's max_position_embeddings "
+                               f"({cfg.max_position_embeddings})", _WHERE)
+        tok = _load_tokenizer(tokenizer or path)
+        return cls(model, tok, frozenset(cfg.eos_token_ids) | _tokenizer_eos(tok), dev, limit)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> CUDA when visible, else CPU; "cuda[:N]" refused without CUDA."""
+    if not (device == "auto" or str(device).split(":")[0] in ("cpu", "cuda")):
+        raise config_error("device", device, "'auto', 'cpu', 'cuda' or 'cuda:N'", _WHERE)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise config_error("device", device, "'cpu' or 'auto' (no CUDA device is visible)", _WHERE)
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> str | torch.dtype:
+    if dtype == "auto":
+        return "auto" if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def _load_tokenizer(path: str):
+    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
+    p = Path(path)
+    if not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p))
+
+
+def _tokenizer_eos(tokenizer) -> frozenset[int]:
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    return frozenset() if eos is None else frozenset([eos])

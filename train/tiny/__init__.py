@@ -1,0 +1,1 @@
+"""The embedded default: the tiny target, its draft LM, their corpus and held-out prompts."""
