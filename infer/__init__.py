@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {"LLM": "infer.engine", "SamplingParams": "infer.sampling",
             "SpeculativeConfig": "infer.spec_config", "rejection_sample": "infer.rejection"}
-__all__ = sorted(_EXPORTS)
+__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "rejection_sample"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from infer.engine import LLM

@@ -114,3 +114,10 @@ def test_light_helpers_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_source_folder_is_a_package():
+    """setuptools' find_packages (pyproject) installs only folders with an ``__init__.py``."""
+    folders = {p.parent for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    assert sorted(str(f.relative_to(ROOT)) for f in folders
+                  if not (f / "__init__.py").is_file()) == []

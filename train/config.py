@@ -20,19 +20,12 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from infer.config import EvalConfig, LoggerKind
+from infer.config import Dtype, EvalConfig, LoggerKind
 from infer.config_docs import register_help_resolver
 from infer.validation import StrChoice
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "tiny_eagle3"
-
-
-class TargetDtype(StrChoice):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
 
 
 class DataFormat(StrChoice):
@@ -84,7 +77,7 @@ class TargetConfig:
 
     path: Optional[str] = None
     """HF model directory or hub id; None: the embedded tiny target (built if missing)."""
-    dtype: TargetDtype = TargetDtype.auto
+    dtype: Dtype = Dtype.auto
     """auto: bfloat16 on GPU, float32 on CPU."""
 
 

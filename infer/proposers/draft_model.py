@@ -23,7 +23,7 @@ import torch
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache
 from infer.models.loader import load_model
-from infer.proposers.base import DraftBatch, Proposal, Proposer, ProposerContext, PROPOSERS
+from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig, draft_config_path, read_draft_config
 

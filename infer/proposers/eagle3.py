@@ -15,7 +15,7 @@ from torch import Tensor
 
 from infer.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
 from infer.models.output import FeatureSpec, ModelOutput
-from infer.proposers.base import ProposerContext, PROPOSERS
+from infer.proposers.base import PROPOSERS, ProposerContext
 from infer.proposers.eagle import EagleChainProposer
 from infer.spec_config import SpeculativeConfig
 from infer.validation import config_error

@@ -25,8 +25,8 @@ from torch import Tensor
 from infer.drafters.mlp_speculator import MLPSpeculator
 from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
-from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
-                                  PROPOSERS)
+from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
+                                  VerifiedStep)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
 from infer.validation import config_error

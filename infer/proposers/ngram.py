@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, pad_drafts,
-                                  PROPOSERS)
+from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
+                                  pad_drafts)
 from infer.spec_config import SpeculativeConfig
 
 

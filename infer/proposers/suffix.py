@@ -46,8 +46,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from infer.proposers.base import (DraftBatch, Proposal, Proposer, ProposerContext, VerifiedStep,
-                                  pad_drafts, PROPOSERS)
+from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
+                                  VerifiedStep, pad_drafts)
 from infer.spec_config import SpeculativeConfig
 
 # A position in a trie: (node, match length, tokens consumed inside the node's leaf chain).

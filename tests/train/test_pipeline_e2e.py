@@ -96,13 +96,22 @@ def test_rerun_resumes_instead_of_retraining(tmp_path, train_target, chat_file):
 
 
 @pytest.mark.slow
-def test_mlp_two_stage_recipe_end_to_end(tmp_path, train_target, chat_file):
-    """Stage 1 on the dataset, stage 2 on the target's own answers (regenerated), then eval."""
+def test_mlp_two_stage_recipe_end_to_end(tmp_path, train_target, chat_file, monkeypatch):
+    """Stage 1 on the dataset, stage 2 on the target's own answers (regenerated), then eval; the
+    frozen target's heads and model are loaded once for both stages."""
+    import train.features as features
+
+    loads = []
+    for name in ("load_target_heads", "load_model"):
+        real = getattr(features, name)
+        monkeypatch.setattr(features, name, lambda *a, _n=name, _r=real, **k: (
+            loads.append(_n), _r(*a, **k))[1])
     cfg = make_cfg(tmp_path, train_target, chat_file, "recipe=tiny_mlp", "drafter.inner_dim=32",
                    "objective.stage2_steps=2", "regenerate.num_examples=6",
                    "regenerate.max_tokens=8")
     result = run(cfg)
     run_dir = tmp_path / "tiny_mlp"
+    assert sorted(loads) == ["load_model", "load_target_heads"]  # online, two stages
     assert result.train.step == 2  # the last stage's steps
     assert (run_dir / "checkpoints" / "stage2").is_dir()
     regenerated = list((run_dir / "stage2_data").glob("chunk_*.jsonl"))

@@ -172,3 +172,14 @@ def test_engine_greedy_equality(tmp_path, train_target, target, train_data, batc
     assert [o.token_ids for o in llm.generate(prompts, params)] == base
     served = llm.get_metrics()["mean_acceptance_length"]
     assert estimate > 2.5 and served > 2.5, (estimate, served)
+
+
+def test_stages_are_data(train_target, target, train_data):
+    from train.objectives.base import Stage, StageData
+
+    obj = make(train_target, target, train_data.vocab)
+    assert obj.stages() == [Stage()]
+    obj.cfg.objective.stage2_steps = 7
+    two = obj.stages()
+    assert two == [Stage(), Stage("stage2", StageData.target_answers,
+                                  {"max_steps": 7, "warmup_steps": 0, "warmup_ratio": 0.0})]

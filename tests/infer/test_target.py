@@ -1,0 +1,21 @@
+"""A loaded ``Target`` is shared by engines instead of reloaded; what it fixed stays fixed."""
+
+import pytest
+import torch
+
+from infer.engine import LLM
+from infer.target import Target
+
+
+def test_engines_share_a_loaded_target(tiny_target):
+    target = Target.load(tiny_target, device="cpu", max_model_len=64)
+    a = LLM(target, max_num_seqs=1)
+    b = LLM(target, {"method": "ngram", "num_speculative_tokens": 2}, max_num_seqs=2)
+    assert a.target is b.target and a.max_model_len == b.max_model_len == 64
+    assert a.cache is not b.cache and a.tokenizer is target.tokenizer
+    assert a.target.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"'dtype': 'bfloat16'; expected 'auto' when a loaded "
+                                         r"Target is passed"):
+        LLM(target, dtype="bfloat16")
+    with pytest.raises(ValueError, match="'max_model_len'"):
+        LLM(target, max_model_len=32)
