@@ -1,7 +1,9 @@
 """Atomic writes: a reader (a vLLM server, a resumed run, a teammate) never sees half a file.
 
-Everything draftsmith writes for later use goes through here: results and reports, checkpoints
-and exports, the feature cache's shards, regenerated data, the tiny target's build. The pattern
+What draftsmith writes for later use goes through here: results and reports, drafter
+checkpoints and exports, the feature cache's shards, regenerated data, the tiny target's build
+(the trainer's own checkpoint folder, which every rank writes into, is renamed into place with
+``replace_dir`` by train/checkpoint.py). The pattern
 is always the same: write to a temporary name beside the destination (same file system, so the
 final ``os.replace`` is a rename), then move it into place; on any error the temporary is
 removed. Temporaries are made with the process's umask (not ``tempfile``'s 0600 / 0700), so what

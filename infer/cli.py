@@ -12,7 +12,7 @@ from typing import Any
 
 from infer.atomic import write_text
 from infer.config import InferConfig, Mode
-from infer.data_sources import FILE_BUILDERS
+from infer.data_sources import load_source
 from infer.engine import LLM
 from infer.sampling import SamplingParams
 from infer.validation import check_choice
@@ -23,18 +23,23 @@ def check_mode(cfg: InferConfig) -> Mode:
 
 
 def read_prompts(path: str) -> list[Any]:
-    """A prompt set (jsonl / json / csv / parquet / arrow: ``prompt``, ``prompt_token_ids`` or
-    any record ``infer.eval.prompt_sets`` knows, as plain text), or text lines, one prompt each
-    (``\\n`` in a line stands for a newline)."""
-    from infer.eval.prompt_sets import load_prompts
-
+    """jsonl / json records with ``prompt_token_ids`` or ``prompt`` (read by the shared dataset
+    reader), or text lines, one prompt each (``\\n`` in a line stands for a newline)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"prompts_file={path!r} does not exist")
-    if p.suffix in FILE_BUILDERS:
-        return load_prompts(str(p), chat=False)
-    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    return [ln.replace("\\n", "\n") for ln in lines]
+    if p.suffix not in (".jsonl", ".json"):
+        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+        return [ln.replace("\\n", "\n") for ln in lines]
+    prompts = []
+    for n, record in enumerate(load_source(p), 1):
+        value = record.get("prompt_token_ids")
+        value = record.get("prompt") if value is None else value
+        if value is None:
+            raise ValueError(f"{path}: record {n}: expected 'prompt' or 'prompt_token_ids'; "
+                             f"got keys {sorted(record)}")
+        prompts.append(value)
+    return prompts
 
 
 def metrics_table(metrics: dict, tok_s: float, k: int) -> str:

@@ -74,7 +74,7 @@ class EvalConfig:
     warmup: bool = True
     """Untimed warm-up before each timed run (on CUDA: the whole run, to capture graphs)."""
     output_dir: Optional[str] = None
-    """infer.py: None = outputs/eval/<timestamp>; train.py writes <run_dir>/eval."""
+    """Where results go; None: outputs/eval/<timestamp> (infer.py), <run_dir>/eval (train.py)."""
     logger: LoggerKind = LoggerKind.none
     """infer.py mode=eval: wandb or none (train.py logs through its own logger section)."""
     wandb_project: str = "draftsmith"
@@ -99,7 +99,7 @@ class InferConfig:
                                                               "max_tokens": 64})
     """SamplingParams keys (vLLM names) for every prompt."""
     prompts_file: Optional[str] = None
-    """Text lines (one prompt each, \\n escapes) or a prompt set (jsonl / json / csv / parquet)."""
+    """Text lines (one prompt each, \\n escapes) or jsonl / json with prompt / prompt_token_ids."""
     num_prompts: int = 4
     """Held-out code prompts used when no prompts_file is given."""
     output: Optional[str] = None

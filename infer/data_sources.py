@@ -8,8 +8,8 @@
 - a folder of .json / .jsonl / .parquet / .arrow / .csv files: ``load_dataset(folder)``
   (datasets infers the splits from the file names; no split names -> all files are ``train``);
 - one such file (a single file is one split; ``split`` is ignored). A .json file holds a list
-  of records or an object whose ``split`` / ``data`` / ``rows`` / ``examples`` / ``train`` key
-  holds the list of records;
+  of records, JSON Lines, or an object whose ``split`` / ``data`` / ``rows`` / ``examples`` /
+  ``train`` key holds the list of records;
 - anything else that does not exist locally and does not look like a path: a Hugging Face Hub id
   (``split``, ``subset``; needs the network or a populated cache).
 
@@ -90,15 +90,16 @@ def _load_file(path: Path, split: str, cache_dir: str | None) -> Any:
 
 
 def _record_list_key(path: Path, split: str) -> str | None:
-    """The key of a .json object that holds the list of records (None: the file is a list)."""
+    """The key of a .json object that holds the list of records (None: the file is a list of
+    records or JSON Lines)."""
     with open(path, encoding="utf-8") as f:
         head = f.read(4096).lstrip()
     if not head.startswith("{"):
         return None
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except json.JSONDecodeError:
+        return None  # JSON Lines under a .json name: the datasets builder reads those
     for key in (split, *RECORD_LIST_KEYS):
         value = obj.get(key)
         if isinstance(value, list) and value and isinstance(value[0], dict):

@@ -2,8 +2,9 @@
 
 One helper serves both (``infer.proposers.base.PROPOSERS``, ``train.objectives.base.OBJECTIVES``):
 classes register themselves with ``@REGISTRY.register("name")`` in their own module, and a lookup
-first imports every module of the registry's package, so nothing else keeps a list of methods
-and nothing branches on a method string. A name registered twice is an error, whichever module
+first imports every module of the registry's package, so nothing else keeps a list of what is
+implemented and nothing branches on a method string (the schema's list of vLLM's method names,
+``spec_config.METHODS``, says what a config may name, not what is served). A name registered twice is an error, whichever module
 comes second.
 """
 

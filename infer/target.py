@@ -16,17 +16,17 @@ from typing import Any
 import torch
 
 from infer.models.llama import Llama
-from infer.models.loader import load_model
+from infer.models.loader import DTYPES, load_model
 from infer.validation import config_error
 
 _WHERE = "LLM"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class Target:
     """A loaded target model and what comes with it; shared read-only by engines."""
 
+    path: str  # the model directory it was loaded from
     model: Llama
     tokenizer: Any  # transformers tokenizer, or None (token-id prompts only)
     eos_ids: frozenset[int]  # the config's EOS ids and the tokenizer's
@@ -50,7 +50,8 @@ class Target:
                                f"<= the model's max_position_embeddings "
                                f"({cfg.max_position_embeddings})", _WHERE)
         tok = _load_tokenizer(tokenizer or path)
-        return cls(model, tok, frozenset(cfg.eos_token_ids) | _tokenizer_eos(tok), dev, limit)
+        return cls(str(path), model, tok, frozenset(cfg.eos_token_ids) | _tokenizer_eos(tok),
+                   dev, limit)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -12,6 +12,8 @@ from typing import Any, Iterable, TypeVar
 def config_error(key: str, value: Any, allowed: str, where: str = "") -> ValueError:
     """Build the one error format used by every config class in draftsmith."""
     prefix = f"{where}: " if where else ""
+    if isinstance(value, Enum):  # a config enum member: show the value the user wrote
+        value = value.value
     return ValueError(f"{prefix}invalid value for {key!r}: {value!r}; expected {allowed}")
 
 

@@ -139,8 +139,10 @@ def remove_checkpoints(root: Path) -> list[Path]:
 
 
 def remove_temporaries(root: Path) -> None:
+    """Folders of killed writes: ``.tmp-step_N`` (being written) and ``.step_N.old-*`` (an
+    earlier run's same-step checkpoint, moved aside by ``replace_dir``)."""
     if root.is_dir():
-        for p in root.glob(".tmp-step_*"):
+        for p in [*root.glob(".tmp-step_*"), *root.glob(".step_*.old-*")]:
             shutil.rmtree(p, ignore_errors=True)
 
 

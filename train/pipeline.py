@@ -218,6 +218,7 @@ def export(objective: Objective, result, final_dir: Path, state) -> None:
 
     if state.is_main_process:
         export_atomically(objective, result.state_dict, final_dir)
+    result.state_dict = None  # a full copy of the weights under FSDP / ZeRO-3: not kept
     state.wait_for_everyone()
 
 

@@ -228,12 +228,12 @@ class _StageLoop:
         loader = DataLoader(rows, batch_size=tcfg.micro_batch_size, shuffle=True,
                             collate_fn=Collate(pad_id), num_workers=tcfg.num_workers,
                             generator=generator, pin_memory=acc.device.type == "cuda")
-        self.plan = Plan.of(tcfg, math.ceil(len(loader) / acc.num_processes))
-        self.raw_sched = torch.optim.lr_scheduler.LambdaLR(
-            self.raw_opt, lambda s: self.plan.lr_factor(s, tcfg))  # reads the final plan
+        plan = [Plan.of(tcfg, math.ceil(len(loader) / acc.num_processes))]
+        self.raw_sched = torch.optim.lr_scheduler.LambdaLR(  # reads the final plan (below); no
+            self.raw_opt, lambda s: plan[0].lr_factor(s, tcfg))  # reference to self: no cycle
         self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
             self.objective, self.raw_opt, loader, self.raw_sched)
-        self.plan = Plan.of(tcfg, len(self.loader))  # the prepared (per-rank) length decides
+        plan[0] = self.plan = Plan.of(tcfg, len(self.loader))  # the prepared (per-rank) length
         self.clip_params = list(self.model.parameters())
 
     def _announce(self, num_rows: int) -> None:
@@ -342,9 +342,12 @@ class _StageLoop:
         return state if self.acc.is_main_process else None
 
     def close(self) -> None:
+        """Free what the stage held (a next stage prepares its own; under DeepSpeed the engine,
+        on GPUs the optimizer state: gone before the next stage or the evaluation starts)."""
         self.pbar.close()
-        self.acc.free_memory()  # drop the wrapped model / engine references; a next stage
-        # re-prepares
+        self.acc.free_memory()
+        self.model = self.optimizer = self.scheduler = self.loader = None
+        self.raw_opt = self.raw_sched = self.clip_params = None
 
 
 def _start(acc, tcfg, root: Path, compat: dict, stage: str

@@ -222,9 +222,9 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                 step: int | None = None, prefix: str = "eval") -> HarnessReport:
     """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
 
-    ``target``: a model directory (loaded once; device / dtype / max_model_len apply) or a
-    loaded :class:`~infer.target.Target`. Writes results.json / results.md / plots into
-    ``output_dir`` when given; logs per-config acceptance scalars, the results table and the
+    ``target``: a model directory (loaded once with device / dtype / max_model_len) or a loaded
+    :class:`~infer.target.Target` (which fixed those). Writes results.json / results.md / plots
+    into ``output_dir`` when given; logs per-config acceptance scalars, the results table and the
     plots to ``logger`` at ``step`` under ``prefix``. Returns the report.
     """
     configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
@@ -235,9 +235,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         cfg.spec()
     check_int("max_tokens", max_tokens, _WHERE, minimum=1)
     logger = logger or NoopLogger()
-    loaded = {} if isinstance(target, Target) else dict(device=device, dtype=dtype,
-                                                         max_model_len=max_model_len)
-    engine = LLM(target, seed=seed, max_num_seqs=1, **loaded)  # each run forks it (with_config)
+    engine = LLM(target, seed=seed, max_num_seqs=1, device=device, dtype=dtype,
+                 max_model_len=max_model_len)  # each run forks it (LLM.with_config)
     matrix = _Matrix(engine, prompts, max_tokens, ignore_eos, warmup)
     results = []
     for cfg in configs:
@@ -246,7 +245,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                               step=step)
     advisor, recommended = advise(results)
     report = HarnessReport(
-        target=str(target if isinstance(target, str) else "loaded Target"),
+        target=engine.target.path,
         baselines=[b for b, _ in matrix.baselines.values()], results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         settings={"max_tokens": max_tokens, "num_prompts": len(prompts), "ignore_eos": ignore_eos,

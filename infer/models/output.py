@@ -30,7 +30,8 @@ class FeatureSpec:
     and training (``Objective.feature_spec``: online capture or the offline cache)."""
 
     aux_layer_ids: tuple[int, ...] = ()  # residual streams, sorted id order (-> ModelOutput.aux)
-    hidden: bool = False  # the last hidden state after the final norm (-> ModelOutput.hidden)
+    hidden: bool = False  # the last hidden state after the final norm (-> ModelOutput.hidden;
+    # the engine's outputs always carry it, training computes it only when asked)
 
     @property
     def needs_target(self) -> bool:

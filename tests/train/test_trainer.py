@@ -323,3 +323,34 @@ def test_two_cpu_processes_agree_and_resume(tmp_path):
     assert math.isclose(ranks[0]["final_loss"], ranks[1]["final_loss"])
     exported = load_file(tmp_path / "full" / "t" / "final" / "model.safetensors")
     assert torch.equal(exported["head.weight"], w[0]["drafter.head.weight"])
+
+
+def test_a_stage_frees_its_optimizer_when_it_returns(tmp_path, monkeypatch):
+    """No reference cycle keeps a finished stage's optimizer state (and prepared model) alive
+    until the cyclic garbage collector happens to run: the next stage or the evaluation needs
+    that memory."""
+    import gc
+    import weakref
+
+    import train.trainer as trainer
+
+    made, real = [], trainer.make_optimizer
+    monkeypatch.setattr(trainer, "make_optimizer",
+                        lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    gc.disable()
+    try:
+        run(make_cfg(tmp_path, max_steps=2), synthetic_rows(4))
+        ref = weakref.ref(made.pop())
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_leftovers_of_killed_checkpoint_writes_are_removed(tmp_path):
+    from train.checkpoint import remove_temporaries
+
+    root = tmp_path / "checkpoints"
+    for name in (".tmp-step_00000004", ".step_00000002.old-12-ab", "step_00000002"):
+        (root / name).mkdir(parents=True)
+    remove_temporaries(root)
+    assert [p.name for p in root.iterdir()] == ["step_00000002"]
