@@ -53,9 +53,10 @@ class EvalConfig:
     in reports. train.py runs them beside the trained drafter."""
     ks: List[int] = field(default_factory=lambda: [1, 3, 5])
     """num_speculative_tokens values to measure."""
-    temperatures: List[float] = field(default_factory=lambda: [0.0])
-    """Sampling temperatures to measure (0: greedy, checked lossless)."""
-    batch_sizes: List[int] = field(default_factory=lambda: [1])
+    temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Sampling temperatures to measure (0: greedy, checked lossless; > 0: seeded by ``seed``,
+    drafts sampled for the p/q test where the drafter has a distribution)."""
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 8])
     """Engine batch sizes (max_num_seqs) to measure."""
     max_tokens: int = 64
     """Tokens generated per prompt."""

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.graphs import StaticForward
-from infer.kv_cache import KVCache
+from infer.kv_cache import KVCache, cache_rows
 from infer.metrics import SpecMetrics
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
@@ -202,9 +202,8 @@ class LLM:
                 longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
                 return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
                                            num_tokens=num_tokens, max_len=longest)
-            # rows 0 .. B-1 in order: the cache reads views instead of gathering every layer's
-            target_slots = None if _in_order([r.slot for r in reqs]) else slots  # keys
-            return self.target.model(inputs, self.cache, target_slots, num_tokens=num_tokens,
+            rows = cache_rows([r.slot for r in reqs], self.device)  # in order: views, no gather
+            return self.target.model(inputs, self.cache, rows, num_tokens=num_tokens,
                                      aux_layer_ids=self.features.aux_layer_ids)
 
     def _accept(self, req: Request, emitted: list[int], drafted: int, accepted: int) -> list[int]:
@@ -286,13 +285,13 @@ class LLM:
         """The prompts as one right-padded ragged forward into freshly reset cache rows."""
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         self.cache.reset(slots)
-        target_slots = None if _in_order([r.slot for r in reqs]) else slots
         ids = torch.zeros(len(reqs), max(lens), dtype=torch.long)
         for i, r in enumerate(reqs):
             ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
         lens_t = torch.tensor(lens, device=self.device)
-        return self.target.model(ids.to(self.device), self.cache, target_slots,
-                                 num_tokens=lens_t, logits_at=(lens_t - 1)[:, None],
+        rows = cache_rows([r.slot for r in reqs], self.device)
+        return self.target.model(ids.to(self.device), self.cache, rows, num_tokens=lens_t,
+                                 logits_at=(lens_t - 1)[:, None],
                                  aux_layer_ids=self.features.aux_layer_ids)
 
     def _retire(self) -> int:
@@ -355,11 +354,6 @@ def check_memory_budget(used: int, cache: int, total: int, utilization: float,
             f"max_model_len={max_model_len}) within "
             f"{budget / gib:.2f} GiB of the device's {total / gib:.2f} GiB; lower max_model_len "
             "or max_num_seqs, or raise gpu_memory_utilization", _WHERE)
-
-
-def _in_order(slots: list[int]) -> bool:
-    """Whether a batch occupies cache rows ``0 .. B-1`` in order (then no slot gather is needed)."""
-    return all(s == i for i, s in enumerate(slots))
 
 
 def _all_greedy(temperature) -> bool:

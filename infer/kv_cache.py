@@ -28,6 +28,15 @@ import torch
 from torch import Tensor
 
 
+def cache_rows(slots: list[int], device: torch.device | str | None = None) -> Tensor | None:
+    """``slots`` as a cached forward's ``slots`` argument: None when they are rows ``0 .. B-1``
+    in order (the forward then reads views of the cache instead of gathering every layer's keys),
+    else a ``[B]`` tensor."""
+    if all(s == i for i, s in enumerate(slots)):
+        return None
+    return torch.tensor(slots, device=device)
+
+
 @dataclass
 class CacheStep:
     """Where one cached forward writes and what it reads; shared by all layers of that forward."""
@@ -69,6 +78,10 @@ class KVCache:
         # the same storage as one vector per (row, head, position): what write() indexes
         self._k_rows = self.k.view(num_layers, -1, head_dim)  # [L, rows * kv_heads * (S+1), hd]
         self._v_rows = self.v.view(num_layers, -1, head_dim)
+        # where position 0 of each (row, head) sits in those vectors
+        self._row_head_base = ((torch.arange(max_batch, device=device)[:, None] * num_kv_heads
+                                + torch.arange(num_kv_heads, device=device))
+                               * (max_len + 1))  # [rows, kv_heads]
 
     @classmethod
     def for_model(cls, config, max_batch: int, max_len: int, *, dtype: torch.dtype | None = None,
@@ -97,18 +110,18 @@ class KVCache:
         """
         device = self.lens.device
         start = self.lens[:batch] if slots is None else self.lens[slots]  # [B]
-        if num_tokens is None:
-            num_tokens = torch.full((batch,), seq, dtype=torch.long, device=device)
         offsets = torch.arange(seq, device=device)  # [T]
         positions = start[:, None] + offsets  # [B, T]
         # a position past max_len (only reachable with a caller's fixed kv_len, which skips the
         # overflow check below) goes to the scratch column too, never into another row's keys
-        valid = (offsets[None, :] < num_tokens[:, None]) & (positions < self.max_len)  # [B, T]
-        write_pos = torch.where(valid, positions, torch.full_like(positions, self.max_len))
-        rows = torch.arange(batch, device=device) if slots is None else slots  # [B]
-        heads = torch.arange(self.k.shape[2], device=device)  # [kv_heads]
-        flat_index = ((rows[:, None, None] * heads.numel() + heads) * self.capacity
-                      + write_pos[:, :, None]).flatten()  # [B, T, kv_heads] -> [B * T * kv_heads]
+        valid = positions < self.max_len  # [B, T]
+        if num_tokens is None:
+            num_tokens = torch.full((batch,), seq, dtype=torch.long, device=device)
+        else:
+            valid &= offsets[None, :] < num_tokens[:, None]
+        write_pos = positions.masked_fill(~valid, self.max_len)  # [B, T]
+        base = self._row_head_base[:batch] if slots is None else self._row_head_base[slots]
+        flat_index = (base[:, None, :] + write_pos[:, :, None]).flatten()  # [B * T * kv_heads]
         exact = kv_len is None
         if exact:
             kv_len = int((start + num_tokens).max())  # host sync, once per forward

@@ -30,7 +30,11 @@ _WHERE = "speculative_config"
 
 # vLLM's method names. The schema accepts all of them; the engine decides which it serves.
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mlp_speculator", "mtp", "medusa")
-REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")
+REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")  # what the sampler runs
+# vLLM's newer spelling: the rejection test "standard" and how drafts are made; "standard" with
+# greedy drafts is "strict" (accept with p(x)), with sampled drafts "probabilistic" (the p/q test)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+_REJECTION_SPELLINGS = (*REJECTION_SAMPLE_METHODS, "standard")
 
 _NEEDS_MODEL = ("draft_model", "eagle", "eagle3", "mlp_speculator", "medusa")
 # These draft from the context alone: a `model` would be silently ignored, so it is an error.
@@ -88,7 +92,8 @@ _FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "draft_tensor_parallel_size": (check_int, {"minimum": 1, "optional": True}),
     "max_model_len": (check_int, {"minimum": 1, "optional": True}),
     "parallel_drafting": (_check_bool, {}),
-    "rejection_sample_method": (_check_choice, {"choices": REJECTION_SAMPLE_METHODS}),
+    "rejection_sample_method": (_check_choice, {"choices": _REJECTION_SPELLINGS}),
+    "draft_sample_method": (_check_choice, {"choices": DRAFT_SAMPLE_METHODS, "optional": True}),
     "synthetic_acceptance_rate": (check_float, {"low": 0.0, "high": 1.0, "optional": True}),
     "prompt_lookup_max": (check_int, {"minimum": 1, "optional": True}),
     "prompt_lookup_min": (check_int, {"minimum": 1, "optional": True}),
@@ -113,7 +118,8 @@ class SpeculativeConfig:
     max_model_len: int | None = None  # draft context; <= target's (`check_against_target`)
     revision: str | None = None  # draft checkpoint revision on the hub
     parallel_drafting: bool = False  # PARD = draft_model + parallel_drafting
-    rejection_sample_method: str = "strict"
+    rejection_sample_method: str = "standard"  # resolved: strict / probabilistic / synthetic
+    draft_sample_method: str | None = None  # greedy / probabilistic; None: the rejection's
     synthetic_acceptance_rate: float | None = None  # required with, and only with, synthetic
     prompt_lookup_max: int | None = None  # ngram; 5 / 5 when both omitted, else mirrored
     prompt_lookup_min: int | None = None
@@ -138,6 +144,7 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             self._set("num_speculative_tokens", self._num_tokens_from_draft(draft, path))
         self._check_parallel_drafting()
+        self._resolve_sampling()
         self._check_rejection()
         if self.draft_tensor_parallel_size not in (None, 1):
             raise config_error("draft_tensor_parallel_size", self.draft_tensor_parallel_size,
@@ -195,6 +202,29 @@ class SpeculativeConfig:
                                f"{', '.join(_PARALLEL_DRAFTING)} (PARD is draft_model + "
                                "parallel_drafting)", _WHERE)
 
+    def _resolve_sampling(self) -> None:
+        """vLLM's two spellings, one meaning. Drafts are sampled from the drafter (and the p/q test
+        runs: ``probabilistic``) or taken greedily (accepted with probability p(x): ``strict``).
+        ``standard`` + ``draft_sample_method`` is the newer spelling of the same two; without a
+        draft method it is ``strict`` with greedy drafts, vLLM's default. Greedy drafts under
+        ``probabilistic`` are ``strict`` (a one-hot draft distribution: the same law)."""
+        rejection, drafts = self.rejection_sample_method, self.draft_sample_method
+        if rejection == "strict" and drafts == "probabilistic":
+            raise config_error("draft_sample_method", drafts, "'greedy' or None with "
+                               "rejection_sample_method 'strict' (it accepts a draft with "
+                               "probability p(x) and never reads the draft distribution); use "
+                               "'probabilistic' or 'standard' for sampled drafts", _WHERE)
+        if rejection == "synthetic":
+            drafts = drafts or "greedy"
+        elif rejection in ("standard", "probabilistic") and drafts is None:
+            drafts = "greedy" if rejection == "standard" else "probabilistic"
+        elif drafts is None:
+            drafts = "greedy"
+        if rejection != "synthetic":
+            rejection = "probabilistic" if drafts == "probabilistic" else "strict"
+        self._set("rejection_sample_method", rejection)
+        self._set("draft_sample_method", drafts)
+
     def _check_rejection(self) -> None:
         synthetic = self.rejection_sample_method == "synthetic"
         rate = self.synthetic_acceptance_rate
@@ -233,8 +263,12 @@ class SpeculativeConfig:
     def to_dict(self, full: bool = False) -> dict[str, Any]:
         """Fields that differ from their defaults (what a user writes, portable to vLLM), or
         every field with `full=True`. Either way `parse(cfg.to_dict()) == cfg`."""
+        implied_drafts = "probabilistic" if self.rejection_sample_method == "probabilistic" \
+            else "greedy"  # what the rejection method gives when no draft method is written
         resolved_defaults = {"prompt_lookup_max": _PROMPT_LOOKUP_DEFAULT,
-                             "prompt_lookup_min": _PROMPT_LOOKUP_DEFAULT}
+                             "prompt_lookup_min": _PROMPT_LOOKUP_DEFAULT,
+                             "draft_sample_method": implied_drafts,
+                             "rejection_sample_method": "strict"}
         out = {f.name: getattr(self, f.name) for f in fields(self)
                if full or getattr(self, f.name) != resolved_defaults.get(f.name, f.default)}
         if "prompt_lookup_max" in out or "prompt_lookup_min" in out:  # one alone would mirror

@@ -261,7 +261,10 @@ class LoggerConfig:
 
 
 def _default_eval() -> EvalConfig:
-    return EvalConfig(methods=[{"method": "ngram"}], ks=[3])
+    # the free drafters beside the trained one; draft_model without a model: the untrained tiny
+    # draft LM, which exists only beside the embedded target (train/evaluate.py)
+    return EvalConfig(methods=[{"method": "ngram"}, {"method": "suffix"},
+                               {"method": "draft_model"}], ks=[3])
 
 
 @dataclass

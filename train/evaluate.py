@@ -10,6 +10,7 @@ autoregressive decoding at the same batch size) is what ``results.json`` / W&B g
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from infer.eval.harness import HarnessConfig, expand_matrix, run_harness
@@ -35,13 +36,31 @@ def eval_prompts(cfg: TrainConfig, target_dir: str) -> list[Any]:
             for p in heldout_prompts(ev.num_prompts, seed=cfg.seed)]
 
 
-def harness_configs(cfg: TrainConfig, drafter_spec: dict) -> list[HarnessConfig]:
+def harness_configs(cfg: TrainConfig, drafter_spec: dict,
+                    target_dir: str | None = None) -> list[HarnessConfig]:
     """The drafter (labelled by the recipe name) and each of ``eval.methods``, at every
-    ``eval.ks`` x ``eval.temperatures`` x ``eval.batch_sizes``."""
+    ``eval.ks`` x ``eval.temperatures`` x ``eval.batch_sizes``. A ``draft_model`` entry without
+    a ``model`` is the draft LM paired with the target (the embedded tiny draft); skipped, with a
+    note, when the target has none."""
     drafter = {"name": cfg.name, **{k: v for k, v in drafter_spec.items()
                                      if k != "num_speculative_tokens"}}
     ev = cfg.eval
-    return expand_matrix([drafter, *ev.methods], ev.ks, ev.temperatures, ev.batch_sizes)
+    methods = [drafter] + [m for m in (_with_paired_draft(m, target_dir) for m in ev.methods) if m]
+    return expand_matrix(methods, ev.ks, ev.temperatures, ev.batch_sizes)
+
+
+def _with_paired_draft(method: Any, target_dir: str | None) -> dict | None:
+    method = dict(method)
+    if method.get("method") != "draft_model" or method.get("model"):
+        return method
+    from train.tiny.corpus import paired_draft_dir
+
+    paired = paired_draft_dir(Path(target_dir)) if target_dir else None
+    if paired is None or not (paired / "config.json").is_file():
+        print("eval: no draft LM is paired with this target; the draft_model row is skipped "
+              "(give eval.methods a draft_model entry with a model)")
+        return None
+    return {**method, "model": str(paired)}
 
 
 def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logger,
@@ -50,7 +69,7 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
     results.md, plots), print a summary, log to ``logger``."""
     ev = cfg.eval
     out = ev.output_dir or cfg.run_dir / "eval"
-    report = run_harness(target_dir, harness_configs(cfg, drafter_spec),
+    report = run_harness(target_dir, harness_configs(cfg, drafter_spec, target_dir),
                          eval_prompts(cfg, target_dir), max_tokens=ev.max_tokens,
                          output_dir=out, logger=logger, device=device, seed=cfg.seed,
                          ignore_eos=ev.ignore_eos, warmup=ev.warmup, step=step, prefix="eval")
@@ -60,14 +79,19 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
 
 
 def summary(report: HarnessReport) -> str:
-    """One line per configuration: acceptance length, per-position rates, speedup."""
-    lines = ["method            k  accept_len  per-position            tok/s   speedup"]
+    """One line per configuration: temperature, batch, drafting rule, acceptance length,
+    per-position rates, speedup (``busy``: another process competed for the cores)."""
+    lines = ["method            k    T  batch  drafts   accept_len  per-position         tok/s"
+             "   speedup"]
     for r in report.results:
         rates = " ".join(f"{x:.2f}" for x in r.per_position)
-        lines.append(f"{r.method:<16} {r.k:>2}  {r.acceptance_length:>10.2f}  {rates:<22} "
-                     f"{r.tok_s:>6.1f}  {r.speedup:>7.2f}x")
+        drafts = "sampled" if r.draft_sample_method == "probabilistic" else "greedy"
+        lines.append(f"{r.method:<16} {r.k:>2} {r.temperature:>4g} {r.batch_size:>6}  "
+                     f"{drafts:<7} {r.acceptance_length:>11.2f}  {rates:<20} {r.tok_s:>6.1f}  "
+                     f"{r.speedup:>7.2f}x" + (" busy" if r.contended else ""))
     for b in report.baselines:
-        lines.append(f"autoregressive (batch {b.batch_size}): {b.tok_s:.1f} tok/s")
+        lines.append(f"autoregressive (batch {b.batch_size}, T={b.temperature:g}): "
+                     f"{b.tok_s:.1f} tok/s")
     if not report.lossless:
         lines.append("LOSSLESS CHECK FAILED: a greedy speculative output differed (results.md)")
     return "\n".join(lines)

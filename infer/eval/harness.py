@@ -37,9 +37,11 @@ import torch
 
 from infer.engine import LLM
 from infer.eval.advisor import advise, predicted_speedup
+from infer.eval.machine import CpuMonitor, CpuWindow, machine_settings
 from infer.eval.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
 from infer.eval.results import Baseline, ConfigResult, HarnessReport
 from infer.metrics import SpecMetrics
+from infer.proposers.base import PROPOSERS
 from infer.request import RequestOutput
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
@@ -57,7 +59,12 @@ _WHERE = "harness"
 @dataclass(frozen=True)
 class HarnessConfig:
     """One cell of the matrix. ``speculative_config`` is a vLLM mapping without k (``k`` sets
-    ``num_speculative_tokens``); ``method`` is the label in reports (default: the method)."""
+    ``num_speculative_tokens``); ``method`` is the label in reports (default: the method).
+
+    Sampled rows (temperature > 0) of a drafter with a distribution to sample from draft with
+    ``draft_sample_method: probabilistic`` (the p/q test) unless the mapping says how: at
+    temperature 1 it accepts far more than greedy drafts judged by p(x) alone (vLLM's default),
+    and both are lossless. The report's "drafts" column says which rule ran."""
 
     speculative_config: Mapping[str, Any]
     k: int
@@ -73,8 +80,14 @@ class HarnessConfig:
             object.__setattr__(self, "method", str(self.speculative_config.get("method")))
 
     def spec(self) -> SpeculativeConfig:
-        return SpeculativeConfig.parse({**self.speculative_config,
-                                        "num_speculative_tokens": self.k})
+        given = {**self.speculative_config, "num_speculative_tokens": self.k}
+        spec = SpeculativeConfig.parse(given)
+        if self.temperature > 0 and not {"rejection_sample_method",
+                                         "draft_sample_method"} & given.keys() \
+                and spec.method in PROPOSERS.names() \
+                and PROPOSERS.get(spec.method).provides_draft_probs:
+            spec = SpeculativeConfig.parse({**given, "draft_sample_method": "probabilistic"})
+        return spec
 
 
 def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
@@ -118,6 +131,7 @@ class _Run:
     errors: int
     timers: EngineTimers
     device: str
+    cpu: CpuWindow  # what else the machine did meanwhile
 
     @property
     def tok_s(self) -> float:
@@ -156,7 +170,8 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
     try:
         if warmup:
             warm_up(llm, prompts, params)
-        outs, seconds, timers = timed_generate(llm, prompts, params)
+        with CpuMonitor() as cpu:
+            outs, seconds, timers = timed_generate(llm, prompts, params)
     finally:
         on_cuda = llm.device.type == "cuda"
         del llm
@@ -166,8 +181,11 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
     metrics = SpecMetrics()
     for o in outs:  # this call's requests only (not the warm-up)
         metrics.merge(SpecMetrics.from_dict(o.metrics))
+    if cpu.window.contended:
+        log.warning("other processes kept %.2f cores busy during this timed run: its timings "
+                    "are not to be trusted", cpu.window.other_cores)
     return _Run([list(o.token_ids) for o in outs], metrics, sum(len(o.token_ids) for o in outs),
-                seconds, sum(o.error is not None for o in outs), timers, device)
+                seconds, sum(o.error is not None for o in outs), timers, device, cpu.window)
 
 
 # ---- the harness ----------------------------------------------------------------------------
@@ -193,7 +211,7 @@ class _Matrix:
             run = _measure(self.engine, None, self.prompts, self.params(temp), batch,
                            self.warmup)
             base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, run.timers.step.calls,
-                            run.timers.step.median)
+                            run.timers.step.median, run.cpu.other_cores)
             log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
             self.baselines[(batch, temp)] = (base, run)
         return self.baselines[(batch, temp)]
@@ -250,7 +268,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         settings={"max_tokens": max_tokens, "num_prompts": len(prompts), "ignore_eos": ignore_eos,
                   "device": matrix.device, "dtype": dtype, "seed": seed, "warmup": warmup,
-                  "torch": torch.__version__, "torch_threads": torch.get_num_threads()})
+                  "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                  "machine": machine_settings()})
     from infer.eval.report import log_report, write_report  # matplotlib: only when needed
 
     if output_dir is not None:
@@ -311,4 +330,5 @@ def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, base: Baseli
         cost_draft=cost_draft, cost_verify=cost_verify, c_ar_s=base.c_ar_s,
         c_step_s=t.step.median, c_draft_s=c_draft, c_verify_s=c_verify,
         c_verify_forward_s=t.verify.median, steps=t.step.calls,
+        draft_sample_method=spec.draft_sample_method, other_cores=run.cpu.other_cores,
         lossless=lossless, mismatched_prompts=mismatched, num_errors=run.errors)

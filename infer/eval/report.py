@@ -21,13 +21,15 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from infer.atomic import atomic_file, write_text
+from infer.eval.machine import CONTENTION_CORES
 from infer.eval.results import ConfigResult, HarnessReport
 from infer.tracking import Logger
 
 PLOTS = ("per_position_acceptance.png", "speedup_vs_k.png", "acceptance_length_vs_k.png")
-TABLE_COLUMNS = ["method", "k", "temperature", "batch_size", "acceptance_length",
-                 "acceptance_rate", "per_position", "tok_s", "ar_tok_s", "speedup",
-                 "predicted_speedup", "cost_draft", "cost_verify", "draft_coverage", "lossless"]
+TABLE_COLUMNS = ["method", "k", "temperature", "batch_size", "draft_sample_method",
+                 "acceptance_length", "acceptance_rate", "per_position", "tok_s", "ar_tok_s",
+                 "speedup", "predicted_speedup", "cost_draft", "cost_verify", "draft_coverage",
+                 "lossless"]
 
 
 def write_report(report: HarnessReport, output_dir: str | os.PathLike) -> dict:
@@ -77,10 +79,22 @@ def _lossless_cell(value: bool | None) -> str:
 
 
 def render_markdown(report: HarnessReport) -> str:
+    lines = _header(report) + _baselines_table(report) + _results_table(report)
+    lines += _advisor_table(report)
+    if report.files.get("plots"):
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in report.files["plots"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _header(report: HarnessReport) -> list[str]:
     s = report.settings
+    machine = s.get("machine") or {}
     lines = ["# Acceptance evaluation", "",
              f"Target `{report.target}`, {s['num_prompts']} prompts, max_tokens "
-             f"{s['max_tokens']}, device {s['device']}, created {report.created}.", ""]
+             f"{s['max_tokens']}, device {s['device']}, {s.get('torch_threads')} torch threads, "
+             f"{machine.get('usable_cores', '?')} usable cores, load average "
+             f"{machine.get('load_average')} at the start, created {report.created}.", ""]
     bad = [r for r in report.results if r.lossless is False]
     if bad:
         lines += ["**LOSSLESS CHECK FAILED**: greedy speculative outputs differ from "
@@ -88,38 +102,60 @@ def render_markdown(report: HarnessReport) -> str:
         lines += [f"- {r.method} k={r.k} batch={r.batch_size}: prompts {r.mismatched_prompts}"
                   for r in bad]
         lines.append("")
-    lines += ["## Autoregressive baselines", "",
-              _row(["batch", "temperature", "tok/s", "tokens", "s/step"]),
-              _row(["---"] * 5)]
-    lines += [_row([b.batch_size, f"{b.temperature:g}", f"{b.tok_s:.1f}", b.tokens,
-                    f"{b.c_ar_s * 1e3:.2f} ms"]) for b in report.baselines]
-    lines += ["", "## Results", "",
-              _row(["method", "k", "T", "batch", "accept len", "accept rate", "per-position",
-                    "tok/s", "speedup", "predicted", "cost draft", "cost verify", "coverage",
-                    "lossless"]), _row(["---"] * 14)]
+    busy = [r for r in report.results if r.contended]
+    busy += [b for b in report.baselines if b.other_cores is not None
+             and b.other_cores > CONTENTION_CORES]
+    if busy:
+        lines += [f"**Other processes competed for the cores** during {len(busy)} timed runs "
+                  "(marked `busy` below: their tok/s, speedups and costs are not to be trusted; "
+                  "rerun on an idle machine).", ""]
+    return lines
+
+
+def _baselines_table(report: HarnessReport) -> list[str]:
+    lines = ["## Autoregressive baselines", "",
+             _row(["batch", "temperature", "tok/s", "tokens", "s/step"]), _row(["---"] * 5)]
+    return lines + [_row([b.batch_size, f"{b.temperature:g}", _tok_s(b.tok_s, b.other_cores),
+                          b.tokens, f"{b.c_ar_s * 1e3:.2f} ms"]) for b in report.baselines]
+
+
+def _results_table(report: HarnessReport) -> list[str]:
+    lines = ["", "## Results", "",
+             "drafts: how the drafter's tokens were chosen (greedy: argmax, accepted with "
+             "probability p(x); sampled: drawn from the drafter, accepted by the p/q test). ",
+             "",
+             _row(["method", "k", "T", "batch", "drafts", "accept len", "accept rate",
+                   "per-position", "tok/s", "speedup", "predicted", "cost draft", "cost verify",
+                   "coverage", "lossless"]), _row(["---"] * 15)]
     for r in report.results:
+        drafts = "sampled" if r.draft_sample_method == "probabilistic" else "greedy"
         lines.append(_row([
-            r.method, r.k, f"{r.temperature:g}", r.batch_size, f"{r.acceptance_length:.2f}",
-            f"{r.acceptance_rate:.3f}", " ".join(f"{p:.2f}" for p in r.per_position),
-            f"{r.tok_s:.1f}", f"{r.speedup:.2f}", f"{r.predicted_speedup:.2f}",
-            f"{r.cost_draft:.2f}", f"{r.cost_verify:.2f}", f"{r.draft_coverage:.2f}",
-            _lossless_cell(r.lossless)]))
-    lines += ["", "## k advisor", "",
-              "Predicted speedup for every k up to the largest measured one, from the measured "
-              "per-position acceptance and costs (cost model: docs/harness.md).", "",
-              _row(["method", "batch", "T", "measured k", "recommended k", "predicted",
-                    "predicted by k"]), _row(["---"] * 7)]
+            r.method, r.k, f"{r.temperature:g}", r.batch_size, drafts,
+            f"{r.acceptance_length:.2f}", f"{r.acceptance_rate:.3f}",
+            " ".join(f"{p:.2f}" for p in r.per_position), _tok_s(r.tok_s, r.other_cores),
+            f"{r.speedup:.2f}", f"{r.predicted_speedup:.2f}", f"{r.cost_draft:.2f}",
+            f"{r.cost_verify:.2f}", f"{r.draft_coverage:.2f}", _lossless_cell(r.lossless)]))
+    return lines
+
+
+def _tok_s(value: float, other_cores: float | None) -> str:
+    busy = other_cores is not None and other_cores > CONTENTION_CORES
+    return f"{value:.1f} busy ({other_cores:.2f} cores)" if busy else f"{value:.1f}"
+
+
+def _advisor_table(report: HarnessReport) -> list[str]:
+    lines = ["", "## k advisor", "",
+             "Predicted speedup for every k up to the largest measured one, from the measured "
+             "per-position acceptance and costs (cost model: docs/harness.md).", "",
+             _row(["method", "batch", "T", "measured k", "recommended k", "predicted",
+                   "predicted by k"]), _row(["---"] * 7)]
     for a in report.advisor:
         curve = " ".join(f"{c['k']}:{c['predicted_speedup']:.2f}" for c in a["candidates"])
         lines.append(_row([a["method"], a["batch_size"], f"{a['temperature']:g}",
                            ",".join(map(str, a["measured_ks"])), a["recommended_k"],
                            f"{a['predicted_speedup']:.2f}", curve]))
     rec = ", ".join(f"{m}: k={k}" for m, k in report.recommended_k.items()) or "none"
-    lines += ["", f"Recommended k per method (all measured conditions): {rec}.", ""]
-    if report.files.get("plots"):
-        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in report.files["plots"]]
-        lines.append("")
-    return "\n".join(lines)
+    return lines + ["", f"Recommended k per method (all measured conditions): {rec}.", ""]
 
 
 # ---- plots ----------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """What the acceptance harness produces: ``HarnessReport`` (results.json) and its rows.
 
-results.json keys (``schema_version`` 1; documented in docs/harness.md):
+results.json keys (``schema_version`` 2; documented in docs/harness.md):
 
 - top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts,
-  ignore_eos, device (resolved), dtype, seed, warmup, torch, torch_threads), ``baselines``,
+  ignore_eos, device (resolved), dtype, seed, warmup, torch, torch_threads, machine: cpu_count,
+  usable_cores, load_average, torch_threads, torch_interop_threads), ``baselines``,
   ``results``, ``advisor``, ``recommended_k`` (method -> k), ``lossless`` (false iff any greedy
   row mismatched), ``files`` (markdown and plot file names).
 - ``baselines[]``: ``batch_size``, ``temperature``, ``tok_s``, ``tokens``, ``seconds``,
-  ``steps``, ``c_ar_s``.
+  ``steps``, ``c_ar_s``, ``other_cores``.
 - ``results[]``: ``method`` (the label), ``speculative_config`` (resolved, vLLM schema), ``k``,
   ``temperature``, ``batch_size``, ``acceptance_length``, ``acceptance_rate``, ``per_position``
   (k rates), ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
@@ -15,7 +16,9 @@ results.json keys (``schema_version`` 1; documented in docs/harness.md):
   ``ar_tok_s``, ``speedup``, ``predicted_speedup``, ``tokens_per_step``, ``cost_draft``,
   ``cost_verify``, ``c_ar_s``, ``c_step_s``, ``c_draft_s``, ``c_verify_s``,
   ``c_verify_forward_s``, ``steps``, ``lossless`` (bool; null for sampled rows),
-  ``mismatched_prompts`` (prompt indices), ``num_errors``.
+  ``mismatched_prompts`` (prompt indices), ``num_errors``, ``draft_sample_method`` (greedy or
+  probabilistic drafts), ``other_cores`` (cores other processes kept busy during the timed run;
+  null where the machine cannot tell).
 - ``advisor[]``: ``method``, ``batch_size``, ``temperature``, ``measured_ks``,
   ``recommended_k``, ``predicted_speedup``, ``candidates[]`` (``k``, ``expected_accepted``,
   ``cost_draft``, ``cost_verify``, ``predicted_speedup``).
@@ -26,7 +29,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-SCHEMA_VERSION = 1
+from infer.eval.machine import CONTENTION_CORES
+
+SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Baseline:
     seconds: float
     steps: int
     c_ar_s: float
+    other_cores: float | None = None  # cores other processes kept busy meanwhile (machine.py)
 
 
 @dataclass
@@ -75,6 +81,13 @@ class ConfigResult:
     lossless: bool | None
     mismatched_prompts: list[int] = field(default_factory=list)
     num_errors: int = 0
+    draft_sample_method: str = "greedy"  # how drafts were made (greedy, or sampled for p/q)
+    other_cores: float | None = None  # cores other processes kept busy during the timed run
+
+    @property
+    def contended(self) -> bool:
+        """Whether another process competed for the cores during the timed run."""
+        return self.other_cores is not None and self.other_cores > CONTENTION_CORES
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from infer.graphs import StaticForward
-from infer.kv_cache import KVCache
+from infer.kv_cache import KVCache, cache_rows
 from infer.models.loader import load_model
 from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext
 from infer.sampling import logits_to_probs, sample_from_probs
@@ -51,7 +51,7 @@ class DraftModelProposer(Proposer):
         self.fed = [0] * ctx.max_num_seqs  # verified tokens held in each slot's draft cache
         # the k - 1 one-token steps as CUDA graphs (the catch-up forward is ragged: eager)
         self.static = StaticForward(self.model, self.cache) if ctx.static_steps else None
-        self.sample = spec.rejection_sample_method == "probabilistic"
+        self.sample = spec.draft_sample_method == "probabilistic"  # else argmax drafts
 
     def start(self, slot: int, prompt_ids: list[int]) -> None:
         self.fed[slot] = 0
@@ -76,42 +76,46 @@ class DraftModelProposer(Proposer):
 
     def _propose_rows(self, batch: DraftBatch) -> Proposal:
         slots = torch.tensor(batch.slots, device=self.ctx.device)  # [B]
+        rows = cache_rows(batch.slots, self.ctx.device)  # None when in order: views, no gathers
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))
         feeds = [toks[self.fed[s]:] for s, toks in zip(batch.slots, batch.token_ids)]
         for s, toks in zip(batch.slots, batch.token_ids):
             self.fed[s] = len(toks)  # after this step's catch-up the cache holds all of them
         if self.mask_id is not None:
-            logits = self._parallel(feeds, slots, batch.k)  # [B, k, vocab]
+            logits = self._parallel(feeds, rows, batch.k)  # [B, k, vocab]
             tokens, probs = self._choose(logits, batch)
         else:
-            tokens, probs = self._sequential(feeds, slots, batch)
+            tokens, probs = self._sequential(feeds, slots, rows, batch)
         return Proposal(tokens, probs if self.sample else None)
 
-    def _sequential(self, feeds: list[list[int]], slots: torch.Tensor, batch: DraftBatch):
-        logits = self._forward_ragged(feeds, slots, last=1)  # [B, 1, vocab]
+    def _sequential(self, feeds: list[list[int]], slots: torch.Tensor,
+                    rows: torch.Tensor | None, batch: DraftBatch):
+        logits = self._forward_ragged(feeds, rows, last=1)  # [B, 1, vocab]
         tokens, probs = [], []
         for step in range(batch.k):
             tok, q = self._choose(logits, batch)  # [B, 1], [B, 1, vocab]
             tokens.append(tok)
             probs.append(q)
             if step + 1 < batch.k:
-                logits = self._decode(tok, slots, batch, step)  # [B, 1, vocab]
+                logits = self._decode(tok, slots, rows, batch, step)  # [B, 1, vocab]
         return torch.cat(tokens, dim=1), torch.cat(probs, dim=1)  # [B, k], [B, k, vocab]
 
-    def _decode(self, tok: torch.Tensor, slots: torch.Tensor, batch: DraftBatch,
-                step: int) -> torch.Tensor:
-        """One drafted token per row into the draft cache; logits ``[B, 1, vocab]``."""
+    def _decode(self, tok: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None,
+                batch: DraftBatch, step: int) -> torch.Tensor:
+        """One drafted token per row into the draft cache; logits ``[B, 1, vocab]``. ``slots``
+        index the fixed-shape steps; eager ones take ``rows`` (``cache_rows``)."""
         if self.static is None:
-            return self.model(tok, self.cache, slots).logits
+            return self.model(tok, self.cache, rows).logits
         longest = max(len(t) for t in batch.token_ids) + step + 1  # cache rows after this step
         return self.static(tok, slots=batch.slots, index=slots, max_len=longest).logits
 
-    def _parallel(self, feeds: list[list[int]], slots: torch.Tensor, k: int) -> torch.Tensor:
+    def _parallel(self, feeds: list[list[int]], rows: torch.Tensor | None,
+                  k: int) -> torch.Tensor:
         masked = [f + [self.mask_id] * (k - 1) for f in feeds]
-        return self._forward_ragged(masked, slots, last=k)
+        return self._forward_ragged(masked, rows, last=k)
 
-    def _forward_ragged(self, feeds: list[list[int]], slots: torch.Tensor,
+    def _forward_ragged(self, feeds: list[list[int]], rows: torch.Tensor | None,
                         last: int) -> torch.Tensor:
         """Append ragged token lists; logits ``[B, last, vocab]`` at each row's last positions."""
         device = self.ctx.device
@@ -120,7 +124,7 @@ class DraftModelProposer(Proposer):
         for row, f in enumerate(feeds):
             ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
         at = lens[:, None] - last + torch.arange(last, device=device)  # [B, last]
-        return self.model(ids.to(device), self.cache, slots, num_tokens=lens, logits_at=at).logits
+        return self.model(ids.to(device), self.cache, rows, num_tokens=lens, logits_at=at).logits
 
     def _choose(self, logits: torch.Tensor, batch: DraftBatch):
         """Draft tokens ``[B, n]`` and the draft distribution ``[B, n, vocab]`` they came from."""

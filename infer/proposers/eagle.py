@@ -33,7 +33,7 @@ from torch import Tensor
 from infer.drafters.common import PairDrafter
 from infer.drafters.eagle import EagleDrafter
 from infer.graphs import StaticForward
-from infer.kv_cache import KVCache
+from infer.kv_cache import KVCache, cache_rows
 from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
@@ -64,7 +64,7 @@ class EagleChainProposer(Proposer):
                                        self.max_len + self.k, dtype=ctx.dtype, device=ctx.device)
         self.fed = [0] * ctx.max_num_seqs  # verified pairs held in each slot's draft cache
         self.pending: dict[int, Tensor] = {}  # slot -> [m, H] prepared features not yet fed
-        self.sample = spec.rejection_sample_method == "probabilistic"
+        self.sample = spec.draft_sample_method == "probabilistic"  # else argmax drafts
         # the k - 1 one-pair draft steps in fixed shapes (CUDA graphs); the catch-up is ragged
         self.static = StaticForward(self.drafter, self.cache) if ctx.static_steps else None
 
@@ -105,13 +105,14 @@ class EagleChainProposer(Proposer):
     def propose(self, batch: DraftBatch) -> Proposal:
         device = self.ctx.device
         slots = torch.tensor(batch.slots, device=device)  # [B]
+        rows = cache_rows(batch.slots, device)  # None when in order: cache views, no gathers
         ids, feats, counts = self._catch_up_inputs(batch)  # [B, T], [B, T, H], B counts
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=device))
         for slot, n in zip(batch.slots, counts):
             self.fed[slot] += n
         counts = torch.tensor(counts, device=device)  # [B]
-        logits, hidden = self.drafter(ids, feats, self.cache, slots, num_tokens=counts,
+        logits, hidden = self.drafter(ids, feats, self.cache, rows, num_tokens=counts,
                                       logits_at=(counts - 1)[:, None])  # [B, 1, V'], [B, 1, H]
         tokens, probs = [], []
         for step in range(batch.k):
@@ -119,16 +120,16 @@ class EagleChainProposer(Proposer):
             tokens.append(tok)
             probs.append(q)
             if step + 1 < batch.k:
-                logits, hidden = self._decode(tok, hidden, slots, batch, step)
+                logits, hidden = self._decode(tok, hidden, slots, rows, batch, step)
         draft_probs = torch.cat(probs, dim=1) if self.sample else None  # [B, k, vocab]
         return Proposal(torch.cat(tokens, dim=1), draft_probs)  # [B, k]
 
-    def _decode(self, tok: Tensor, hidden: Tensor, slots: Tensor, batch: DraftBatch,
-                step: int) -> tuple[Tensor, Tensor]:
+    def _decode(self, tok: Tensor, hidden: Tensor, slots: Tensor, rows: Tensor | None,
+                batch: DraftBatch, step: int) -> tuple[Tensor, Tensor]:
         """One pair per row (the head's own hidden state fed back) into the draft cache:
-        ``(logits [B, 1, V'], hidden [B, 1, H])``."""
+        ``(logits [B, 1, V'], hidden [B, 1, H])``; ``rows``: ``cache_rows`` of the batch."""
         if self.static is None:
-            return self.drafter(tok, hidden, self.cache, slots)
+            return self.drafter(tok, hidden, self.cache, rows)
         longest = max(len(t) for t in batch.token_ids) + step  # cache rows after this step
         return self.static(tok, hidden, slots=batch.slots, index=slots, max_len=longest)
 

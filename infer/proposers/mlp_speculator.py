@@ -55,7 +55,7 @@ class MLPSpeculatorProposer(Proposer):
         if cfg.vocab_size > ctx.vocab_size:
             raise config_error("vocab_size", cfg.vocab_size, f"<= the target's vocab_size "
                                f"({ctx.vocab_size})", where)
-        self.sample = spec.rejection_sample_method == "probabilistic"
+        self.sample = spec.draft_sample_method == "probabilistic"  # else argmax drafts
         self.state: dict[int, Tensor] = {}  # slot -> [emb_dim] target state behind the pending
 
     # ---- lifecycle ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def test_schema_help_lines():
     text = schema_help(TrainConfig)
     assert "trainer.schedule: 'cosine' (cosine | linear | constant) -- Decay after the" in text
     assert "data.format: None (openai | sharegpt | prompt_completion | text) --" in text
-    assert "eval.methods: [{'method': 'ngram'}] --" in text  # train.py's own defaults
+    assert "eval.ks: [3] --" in text  # train.py's own defaults
     assert "\nmethods: [{'method': 'ngram'}, {'method': 'suffix'}" in schema_help(EvalConfig)
 
 

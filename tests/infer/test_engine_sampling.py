@@ -123,3 +123,19 @@ def test_filtered_distribution_matches_target(models, method):
     assert chi2_pvalue(joint, p_joint) > P_MIN
     assert chi2_pvalue(third, p_third) > P_MIN
     assert metrics["num_accepted_tokens"] > 0
+
+
+def test_vllm_spellings_run_the_same_sampler(models):
+    """``standard`` + ``draft_sample_method`` (vLLM's newer spelling) is ``probabilistic`` /
+    ``strict``: the same drafts, the same accept test, the same seeded outputs."""
+    target, draft, _ = models
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=None)
+    for old, new in (({"rejection_sample_method": "probabilistic"},
+                      {"rejection_sample_method": "standard",
+                       "draft_sample_method": "probabilistic"}),
+                     ({"rejection_sample_method": "strict"},
+                      {"rejection_sample_method": "standard"})):
+        runs = [LLM(target, speculative_config={"method": "draft_model", "model": draft,
+                                                "num_speculative_tokens": K, **spec},
+                    max_num_seqs=4, seed=7).generate([PROMPT] * 4, params) for spec in (old, new)]
+        assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]

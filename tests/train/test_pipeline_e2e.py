@@ -50,7 +50,11 @@ def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, ext
     assert final == tmp_path / recipe / "final"
     config = json.loads((final / "config.json").read_text())
     report = json.loads((tmp_path / recipe / "eval" / "results.json").read_text())
-    assert {r["method"] for r in report["results"]} == {recipe, "ngram"}
+    assert {r["method"] for r in report["results"]} == {recipe, "ngram", "suffix"}  # no paired
+    assert {(r["temperature"], r["batch_size"]) for r in report["results"]} == {  # draft LM
+        (0.0, 1), (0.0, 8), (1.0, 1), (1.0, 8)}
+    assert {r["draft_sample_method"] for r in report["results"] if r["method"] == recipe
+            and r["temperature"] > 0} == {"probabilistic"}  # sampled rows: sampled drafts
     assert report["lossless"] is True
     method = "eagle3" if recipe == "tiny_eagle3" else "eagle"
     if method == "eagle3":

@@ -141,7 +141,7 @@ def test_scripted_metrics_outputs_and_logging(scripted, tiny_target, tmp_path):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     md = (tmp_path / "results.md").read_text()
-    assert "| scripted | 3 | 0 | 1 | 2.75 | 0.700 | 1.00 0.75 0.00 |" in md
+    assert "| scripted | 3 | 0 | 1 | greedy | 2.75 | 0.700 | 1.00 0.75 0.00 |" in md
     assert "LOSSLESS CHECK FAILED" not in md
     assert not list(tmp_path.glob(".*"))  # no temporary files left behind
 
@@ -359,3 +359,15 @@ def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
     run_harness(tiny_target, {"methods": [{"method": "suffix"}], "ks": [2],
                               "batch_sizes": [1]}, PROMPTS, max_tokens=4, device="cpu")
     assert seen == [0, 0]  # warm-up, then the timed run: both from an empty global tree
+
+
+def test_sampled_rows_draft_by_sampling_unless_told():
+    head = {"method": "eagle3", "model": "some/eagle3-head"}
+    assert HarnessConfig(head, 3, temperature=1.0).spec().draft_sample_method == "probabilistic"
+    assert HarnessConfig(head, 3, temperature=1.0).spec().rejection_sample_method == \
+        "probabilistic"
+    assert HarnessConfig(head, 3).spec().draft_sample_method == "greedy"  # greedy rows
+    strict = {**head, "rejection_sample_method": "strict"}
+    assert HarnessConfig(strict, 3, temperature=1.0).spec().draft_sample_method == "greedy"
+    ngram = HarnessConfig({"method": "ngram"}, 3, temperature=1.0).spec()
+    assert ngram.draft_sample_method == "greedy"  # nothing to sample from
