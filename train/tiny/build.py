@@ -43,6 +43,7 @@ from infer.atomic import atomic_dir, remove_leftovers
 from train.tiny.corpus import (DOC_TOKEN, EOS_TOKEN, TinyData, capped_corpus,
                                default_target_dir, paired_draft_dir, prepare_data, read_texts,
                                stdlib_root, train_tokenizer)
+from train.tiny import quality
 from train.tiny.lm import (MAX_POSITIONS, TinyLMSpec, greedy_continuation, heldout_loss,
                            make_model, train_lm, utf8_bytes)
 
@@ -223,6 +224,7 @@ def _build_one(kind: str, dest: Path, spec: TinyLMSpec, cfg: TinyBuildConfig,
                       "pad_token": DOC_TOKEN},
         "training": stats, "tokens_seen": stats["tokens_seen"],
         "heldout_loss": round(loss, 5), "heldout_tokens": data.eval_rows[:, 1:].numel(),
+        **quality.measure(model, loss, data.train_rows, data.eval_rows),
         # tokenizer-independent: the same total loss per UTF-8 byte of the predicted text, in bits
         "heldout_bits_per_byte": round(loss * data.eval_rows[:, 1:].numel() / math.log(2)
                                        / utf8_bytes(tokenizer, data.eval_rows[:, 1:]), 5),

@@ -123,6 +123,9 @@ def test_meta_records_split_loss_and_training(built, tiny_cfg):
     assert train and held and not set(train) & set(held)
     assert sorted(train + held) == [f"mod_{i:02d}.py" for i in range(20)]  # tests/ skipped
     assert math.isfinite(meta["heldout_loss"]) and meta["heldout_loss"] > 0
+    assert meta["heldout_loss_vs_unigram"] == pytest.approx(
+        meta["heldout_loss"] / meta["heldout_unigram_loss"], abs=1e-3)
+    assert 0.0 <= meta["greedy_repetition"] <= 1.0
     t = meta["training"]
     assert t["steps"] == 20 and not t["stopped_early"]
     assert meta["tokens_seen"] == 20 * 8 * 64
