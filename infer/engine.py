@@ -62,10 +62,9 @@ class LLM:
         self.max_num_seqs, self.seed = max_num_seqs, seed
         self.enforce_eager, self.gpu_memory_utilization = enforce_eager, gpu_memory_utilization
         self.timers: EngineTimers | None = None
-        dtype_ = self.target.dtype
-        cfg = self.target.model.config
-        self._check_memory(kv_cache_bytes(cfg, max_num_seqs, self.max_model_len, dtype_))
-        self.cache = KVCache.for_model(cfg, max_num_seqs, self.max_model_len, dtype=dtype_,
+        kv_dtype, cfg = self.target.dtype, self.target.model.config
+        self._check_memory(kv_cache_bytes(cfg, max_num_seqs, self.max_model_len, kv_dtype))
+        self.cache = KVCache.for_model(cfg, max_num_seqs, self.max_model_len, dtype=kv_dtype,
                                        device=self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.proposer = self._make_proposer()
@@ -202,7 +201,7 @@ class LLM:
                 longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
                 return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
                                            num_tokens=num_tokens, max_len=longest)
-            rows = cache_rows([r.slot for r in reqs], self.device)  # in order: views, no gather
+            rows = cache_rows([r.slot for r in reqs], slots)  # in order: views, no gather
             return self.target.model(inputs, self.cache, rows, num_tokens=num_tokens,
                                      aux_layer_ids=self.features.aux_layer_ids)
 
@@ -289,7 +288,7 @@ class LLM:
         for i, r in enumerate(reqs):
             ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
         lens_t = torch.tensor(lens, device=self.device)
-        rows = cache_rows([r.slot for r in reqs], self.device)
+        rows = cache_rows([r.slot for r in reqs], slots)
         return self.target.model(ids.to(self.device), self.cache, rows, num_tokens=lens_t,
                                  logits_at=(lens_t - 1)[:, None],
                                  aux_layer_ids=self.features.aux_layer_ids)

@@ -28,13 +28,11 @@ import torch
 from torch import Tensor
 
 
-def cache_rows(slots: list[int], device: torch.device | str | None = None) -> Tensor | None:
-    """``slots`` as a cached forward's ``slots`` argument: None when they are rows ``0 .. B-1``
-    in order (the forward then reads views of the cache instead of gathering every layer's keys),
-    else a ``[B]`` tensor."""
-    if all(s == i for i, s in enumerate(slots)):
-        return None
-    return torch.tensor(slots, device=device)
+def cache_rows(slots: list[int], index: Tensor) -> Tensor | None:
+    """A cached forward's ``slots`` argument for a batch in cache rows ``slots`` (``index``: the
+    same on the device): None when they are rows ``0 .. B-1`` in order (the forward then reads
+    views of the cache instead of gathering every layer's keys), else ``index``."""
+    return None if all(s == i for i, s in enumerate(slots)) else index
 
 
 @dataclass

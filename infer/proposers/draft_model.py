@@ -76,7 +76,7 @@ class DraftModelProposer(Proposer):
 
     def _propose_rows(self, batch: DraftBatch) -> Proposal:
         slots = torch.tensor(batch.slots, device=self.ctx.device)  # [B]
-        rows = cache_rows(batch.slots, self.ctx.device)  # None when in order: views, no gathers
+        rows = cache_rows(batch.slots, slots)  # None when in order: views, no gathers
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))
         feeds = [toks[self.fed[s]:] for s, toks in zip(batch.slots, batch.token_ids)]

@@ -105,7 +105,7 @@ class EagleChainProposer(Proposer):
     def propose(self, batch: DraftBatch) -> Proposal:
         device = self.ctx.device
         slots = torch.tensor(batch.slots, device=device)  # [B]
-        rows = cache_rows(batch.slots, device)  # None when in order: cache views, no gathers
+        rows = cache_rows(batch.slots, slots)  # None when in order: cache views, no gathers
         ids, feats, counts = self._catch_up_inputs(batch)  # [B, T], [B, T, H], B counts
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=device))
