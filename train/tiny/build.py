@@ -10,8 +10,10 @@ corrupt or was built with other settings; ``ensure_tiny_draft()`` does the same 
 
 A build trains the byte-level BPE tokenizer on the train split, packs raw code and chat-formatted
 prefix -> continuation examples into fixed-length rows, and trains each LM for a fixed number of
-steps (AdamW, warmup + cosine) in a seeded order, so it is deterministic on a given machine; a
-wall-clock cap only stops a build on a machine far slower than planned, and the meta says so.
+steps (AdamW, warmup + cosine) in a seeded order, then the target a short unlikelihood phase
+against greedy loops (``train/tiny/unlikelihood.py``), so it is deterministic for a given machine
+and torch thread count (one per free core, recorded in the meta); a wall-clock cap only stops a
+build on a machine far slower than planned, and the meta says so.
 Outputs are written to a temporary directory beside the destination and moved into place with
 ``os.replace``: an interrupted build never leaves a directory that looks complete.
 """
@@ -40,30 +42,35 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from infer.atomic import atomic_dir, remove_leftovers
+from infer.eval.machine import CONTENTION_CORES, CpuMonitor
 from train.tiny.corpus import (DOC_TOKEN, EOS_TOKEN, TinyData, capped_corpus,
                                default_target_dir, paired_draft_dir, prepare_data, read_texts,
                                stdlib_root, train_tokenizer)
-from train.tiny import quality
+from train.tiny import quality, unlikelihood
+from train.tiny.unlikelihood import UnlikelihoodSpec
 from train.tiny.lm import (MAX_POSITIONS, TinyLMSpec, greedy_continuation, heldout_loss,
                            make_model, train_lm, utf8_bytes)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: corpus without codec tables, pydoc data, Tk; 8-layer target
 META_FILE = "draftsmith_meta.json"
+THREAD_PROBE_SECONDS = 0.5  # how long default_num_threads watches the machine
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES,
                   META_FILE)
 
 
-# Tuned on 2 shared CPU cores (AMD EPYC) with one torch thread: ~0.37 s/step for the target,
-# ~0.13 s/step for the draft, ~7 min for the whole build. Sweeps of 200 x 8-row steps on the
-# target: lr 3e-3 beat 1.5e-3 and 6e-3; 4-row batches beat 8-row ones at equal tokens (held-out
-# 4.44 vs 4.61) and 2-row ones at lr 2e-3 (4.46, slower).
-TARGET_SPEC = TinyLMSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                         intermediate_size=704, steps=900, max_seconds=400.0)
+# Tuned on 2 CPU cores (AMD EPYC), docs/benchmarks.md "The rebuilt embedded target": 8 narrow layers
+# learn more per second than 4 wide ones (8,200 training tokens/s with two threads), reach a
+# held-out cross-entropy under 0.6x the unigram model's at 2,400 steps of 4 x 256 tokens (lr
+# 4e-3; 3e-3 and 1,800 steps stop at 0.61), and the unlikelihood phase removes most greedy loops.
+# ~6 min for the target with two threads on an idle machine, ~9 with one.
+TARGET_SPEC = TinyLMSpec(hidden_size=128, num_layers=8, num_heads=4, num_kv_heads=2,
+                         intermediate_size=352, steps=2400, lr=4e-3, max_seconds=900.0,
+                         unlikelihood=UnlikelihoodSpec(steps=150))
 DRAFT_SPEC = TinyLMSpec(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                        intermediate_size=384, steps=600, max_seconds=100.0)
+                        intermediate_size=384, steps=600, max_seconds=150.0)
 
 
 @dataclass(frozen=True)
@@ -172,24 +179,44 @@ def load_meta(path: str | os.PathLike) -> dict:
 # ----------------------------------------------------------------------------- building
 
 def default_num_threads() -> int:
-    """Half the cores this process may use (at least one), fixed per machine, not per load.
+    """One torch thread per core that is free now (at least one), measured once per build.
 
-    The other half is left to whatever else runs (tests, other builds): on 2 busy cores, two
-    OpenMP threads preempted in turn spin-waited on each other and a target step took 0.8-1.8 s,
-    against a steady ~0.4 s with one thread (0.25 s with two on an idle machine).
+    On 2 cores with another busy process, two OpenMP threads preempted in turn spin-waited on
+    each other and a target step took 0.8-1.8 s, against a steady ~0.4 s with one thread; on an
+    idle machine two threads train 1.65x faster than one. So the builder watches the machine for
+    a moment (``CpuMonitor``: cores other processes keep busy) and leaves those cores alone.
+    Without ``/proc/stat`` it takes half the cores.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // 2)
+    cores = cores or 1
+    with CpuMonitor() as monitor:
+        time.sleep(THREAD_PROBE_SECONDS)
+    other = monitor.window.other_cores
+    if other is None:
+        return max(1, cores // 2)
+    return max(1, cores - math.ceil(max(0.0, other - CONTENTION_CORES)))
 
 
 @contextlib.contextmanager
 def _torch_threads(n: int | None):
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, int(n if n is not None else default_num_threads())))
+    log.info("building with %d torch thread(s)", torch.get_num_threads())
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _train(model, spec: TinyLMSpec, seed: int, data: TinyData, *, progress: bool,
+           desc: str) -> dict:
+    """Next-token training, then the unlikelihood phase if the spec has one; stats for the meta."""
+    stats = train_lm(model, data.train_rows, spec, seed, progress=progress, desc=desc)
+    if spec.unlikelihood.steps:
+        stats["unlikelihood"] = unlikelihood.finetune(
+            model, data.train_rows, spec.unlikelihood, seed, progress=progress,
+            desc=f"{desc} (unlikelihood)")
+    return stats
 
 
 def _build_one(kind: str, dest: Path, spec: TinyLMSpec, cfg: TinyBuildConfig,
@@ -198,8 +225,7 @@ def _build_one(kind: str, dest: Path, spec: TinyLMSpec, cfg: TinyBuildConfig,
     """Train one LM on ``data`` and write it to ``dest``; returns its meta."""
     t0 = time.monotonic()
     model = make_model(spec, tokenizer, cfg.seed)
-    stats = train_lm(model, data.train_rows, spec, cfg.seed,
-                     progress=progress, desc=f"tiny {kind}")
+    stats = _train(model, spec, cfg.seed, data, progress=progress, desc=f"tiny {kind}")
     loss = heldout_loss(model, data.eval_rows)
     sample = greedy_continuation(model, tokenizer, data.sample_prompt, cfg.sample_tokens)
     chat_prompt = tokenizer.apply_chat_template(

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from train.tiny.corpus import DOC_TOKEN, EOS_TOKEN
+from train.tiny.unlikelihood import UnlikelihoodSpec
 
 log = logging.getLogger(__name__)
 MAX_POSITIONS = 2048
@@ -34,6 +35,7 @@ class TinyLMSpec:
     lr: float = 3e-3
     warmup_steps: int = 50
     max_seconds: float = 600.0  # safety cap for a machine far slower than planned
+    unlikelihood: UnlikelihoodSpec = UnlikelihoodSpec()  # a last phase against greedy loops
 
 
 def make_model(spec: TinyLMSpec, tokenizer: PreTrainedTokenizerBase,

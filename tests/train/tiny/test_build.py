@@ -16,15 +16,18 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from train.tiny import build as tb
+from train.tiny.unlikelihood import UnlikelihoodSpec
 from train.tiny.corpus import (CHAT_TEMPLATE, DOC_TOKEN, EOS_TOKEN, default_cache_dir,
                                default_draft_dir, default_target_dir, pack_documents,
                                paired_draft_dir, stdlib_corpus, train_tokenizer,
                                training_documents)
 
 TINY_LM = tb.TinyLMSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=128, steps=20, batch_size=8, lr=3e-3, warmup_steps=3)
+                        intermediate_size=128, steps=20, batch_size=8, lr=3e-3, warmup_steps=3,
+                        unlikelihood=UnlikelihoodSpec(steps=2, prefix_tokens=8, new_tokens=8))
 TINY_DRAFT = dataclasses.replace(TINY_LM, hidden_size=32, num_layers=1, num_heads=2,
-                                 num_kv_heads=1, intermediate_size=64, steps=10)
+                                 num_kv_heads=1, intermediate_size=64, steps=10,
+                                 unlikelihood=UnlikelihoodSpec())
 
 
 def _write_corpus(root):
@@ -129,6 +132,8 @@ def test_meta_records_split_loss_and_training(built, tiny_cfg):
     t = meta["training"]
     assert t["steps"] == 20 and not t["stopped_early"]
     assert meta["tokens_seen"] == 20 * 8 * 64
+    assert t["unlikelihood"]["steps"] == 2 and meta["build_config"]["target"]["unlikelihood"][
+        "steps"] == 2
     curve = [loss for _, loss in t["loss_curve"]]
     assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 0.3  # the loss goes down
     assert meta["sample"]["prompt"].lstrip().startswith("def ")
@@ -227,3 +232,33 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("DRAFTSMITH_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path / "xdg" / "draftsmith"
+
+
+@pytest.mark.parametrize("other_cores,expected", [(0.0, 4), (0.2, 4), (1.0, 3), (2.7, 1),
+                                                   (9.0, 1), (None, 2)])
+def test_build_threads_leave_busy_cores_alone(monkeypatch, other_cores, expected):
+    """One torch thread per core other processes leave free (half the cores when unknown)."""
+    class Window:
+        pass
+
+    class FakeMonitor:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.window = Window()
+            self.window.other_cores = other_cores
+
+    monkeypatch.setattr(tb, "CpuMonitor", FakeMonitor)
+    monkeypatch.setattr(tb, "THREAD_PROBE_SECONDS", 0.0)
+    monkeypatch.setattr(tb.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert tb.default_num_threads() == expected
+
+
+def test_corpus_leaves_out_tables_and_tk(tmp_path):
+    for rel in ("mod.py", "html/parser.py", "html/entities.py", "encodings/cp437.py",
+                "tkinter/__init__.py", "pydoc_data/topics.py", "tests/test_mod.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    train, held = stdlib_corpus(seed=0, heldout_fraction=0.5, root=tmp_path)
+    assert sorted(train + held) == ["html/parser.py", "mod.py"]
