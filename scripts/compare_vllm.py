@@ -12,7 +12,7 @@ size). draftsmith runs through its harness (``run_harness``); vLLM through
 (order flipped every repeat) so a slow spell of a shared machine hits both; the table shows
 medians. ``NAME=PATH`` drafters are EAGLE-3 heads (``eagle3``), EAGLE heads (``eagle``) or, with
 ``:parallel``, PARD checkpoints (``draft_model`` + ``parallel_drafting``). Writes the raw runs to
-``--out`` (JSON). Before each engine's turn it waits until the machine is idle (see
+``--out`` (JSON; the prompts beside it). Before each engine's turn it waits until the machine is idle (see
 ``wait_until_idle``); draftsmith's rows record the cores other processes used while timed.
 """
 
@@ -23,7 +23,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,9 +112,10 @@ def main() -> int:
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                     tokenize=False, add_generation_prompt=True)
                for p in heldout_prompts(args.prompts, seed=0)]
-    prompts_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    json.dump(prompts, prompts_file)
-    prompts_file.close()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prompts_file = out.with_suffix(".prompts.json")  # kept: the prompts both engines ran
+    prompts_file.write_text(json.dumps(prompts))
     runs: list[dict] = []
     for rep in range(args.repeats):
         for arg in args.drafter:
@@ -126,13 +126,12 @@ def main() -> int:
                 rows = (draftsmith_speedups(target, spec, args.k, args.batch_sizes, prompts,
                                             args.max_tokens) if engine == "draftsmith" else
                         vllm_speedups(args.vllm_python, target_dir, spec, args.k,
-                                      args.batch_sizes, prompts_file.name, args.max_tokens))
+                                      args.batch_sizes, str(prompts_file), args.max_tokens))
                 for batch, row in rows.items():
                     runs.append({"drafter": name, "engine": engine, "batch_size": batch,
                                  "repeat": rep, "other_cores_before": idle, **row})
                     print(json.dumps(runs[-1]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    out.write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
     print_table(runs)
     return 0
 
