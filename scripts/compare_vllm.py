@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infer.eval.harness import run_harness  # noqa: E402
-from infer.eval.machine import CpuMonitor  # noqa: E402
+from infer.eval.machine import other_cores_now  # noqa: E402
 from infer.target import Target  # noqa: E402
 from train.tiny.build import ensure_tiny_target  # noqa: E402
 from train.tiny.examples import heldout_prompts  # noqa: E402
@@ -55,9 +55,7 @@ def wait_until_idle(max_seconds: float = 60.0) -> float | None:
     other = None
     deadline = time.monotonic() + max_seconds
     while time.monotonic() < deadline:
-        with CpuMonitor() as monitor:
-            time.sleep(1.0)
-        other = monitor.window.other_cores
+        other = other_cores_now(1.0)
         if other is None or other < 0.1:
             break
     return other

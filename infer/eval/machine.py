@@ -71,6 +71,13 @@ class CpuMonitor:
         self.window = CpuWindow(wall, own, busy)
 
 
+def other_cores_now(seconds: float) -> float | None:
+    """Cores other processes keep busy, watched for ``seconds`` (None without /proc/stat)."""
+    with CpuMonitor() as monitor:
+        time.sleep(seconds)
+    return monitor.window.other_cores
+
+
 def machine_settings() -> dict[str, Any]:
     """The machine a report was measured on: cores, cores this process may use, load average,
     torch's intra- / inter-op threads."""

@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from infer.atomic import atomic_dir, remove_leftovers
-from infer.eval.machine import CONTENTION_CORES, CpuMonitor
+from infer.eval.machine import CONTENTION_CORES, other_cores_now
 from train.tiny.corpus import (DOC_TOKEN, EOS_TOKEN, TinyData, capped_corpus,
                                default_target_dir, paired_draft_dir, prepare_data, read_texts,
                                stdlib_root, train_tokenizer)
@@ -184,14 +184,12 @@ def default_num_threads() -> int:
     On 2 cores with another busy process, two OpenMP threads preempted in turn spin-waited on
     each other and a target step took 0.8-1.8 s, against a steady ~0.4 s with one thread; on an
     idle machine two threads train 1.65x faster than one. So the builder watches the machine for
-    a moment (``CpuMonitor``: cores other processes keep busy) and leaves those cores alone.
+    a moment (``other_cores_now``: cores other processes keep busy) and leaves those cores alone.
     Without ``/proc/stat`` it takes half the cores.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
-    with CpuMonitor() as monitor:
-        time.sleep(THREAD_PROBE_SECONDS)
-    other = monitor.window.other_cores
+    other = other_cores_now(THREAD_PROBE_SECONDS)
     if other is None:
         return max(1, cores // 2)
     return max(1, cores - math.ceil(max(0.0, other - CONTENTION_CORES)))

@@ -34,15 +34,24 @@ def unigram_loss(train_rows: torch.Tensor, eval_rows: torch.Tensor, vocab_size: 
 
 
 @torch.no_grad()
+def greedy_tokens(model: LlamaForCausalLM, prefixes: torch.Tensor,
+                  new_tokens: int) -> torch.Tensor:
+    """prefixes [B, P] -> prefixes and exactly ``new_tokens`` greedy tokens [B, P + new_tokens]
+    (stop tokens do not end a row early). Leaves the model in the mode it found it in."""
+    was_training = model.training
+    model.eval()
+    out = model.generate(prefixes, attention_mask=torch.ones_like(prefixes),
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=model.generation_config.pad_token_id)
+    model.train(was_training)
+    return out
+
+
 def greedy_repetition(model: LlamaForCausalLM, eval_rows: torch.Tensor, prompts: int = 8,
                       prefix: int = 64, new_tokens: int = 96) -> float:
     """Mean ``repetition`` of greedy continuations of the first ``prefix`` tokens of
     ``prompts`` held-out rows."""
-    model.eval()
-    ids = eval_rows[:prompts, :prefix]  # [P, prefix]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=model.generation_config.pad_token_id)
+    out = greedy_tokens(model, eval_rows[:prompts, :prefix], new_tokens)  # [P, prefix + new]
     return sum(repetition(row.tolist()) for row in out[:, prefix:]) / len(out)
 
 

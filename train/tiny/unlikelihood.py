@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM
 
-from train.tiny.quality import REPETITION_N
+from train.tiny.quality import REPETITION_N, greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -67,22 +67,11 @@ def unlikelihood_loss(logits: torch.Tensor, tokens: torch.Tensor,
     return (penalty * negatives).sum() / negatives.numel()
 
 
-@torch.no_grad()
-def _greedy(model: LlamaForCausalLM, prefixes: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """prefixes [B, P] -> prefixes and their greedy continuations [B, P + new_tokens]."""
-    model.eval()
-    out = model.generate(prefixes, attention_mask=torch.ones_like(prefixes),
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=model.generation_config.pad_token_id)
-    model.train()
-    return out
-
-
 def _step_loss(model: LlamaForCausalLM, batch: torch.Tensor, prefixes: torch.Tensor,
                spec: UnlikelihoodSpec) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(next-token loss on ``batch``, unlikelihood loss, share of negatives)."""
     mle = model(input_ids=batch, labels=batch).loss
-    full = _greedy(model, prefixes, spec.new_tokens)  # [B, P + N]
+    full = greedy_tokens(model, prefixes, spec.new_tokens)  # [B, P + N]
     cont = full[:, prefixes.shape[1]:]  # [B, N]
     negatives = repeated_ngram_mask(cont)
     logits = model(input_ids=full).logits[:, prefixes.shape[1] - 1:-1]  # [B, N, V]

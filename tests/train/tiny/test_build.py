@@ -238,19 +238,7 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
                                                    (9.0, 1), (None, 2)])
 def test_build_threads_leave_busy_cores_alone(monkeypatch, other_cores, expected):
     """One torch thread per core other processes leave free (half the cores when unknown)."""
-    class Window:
-        pass
-
-    class FakeMonitor:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.window = Window()
-            self.window.other_cores = other_cores
-
-    monkeypatch.setattr(tb, "CpuMonitor", FakeMonitor)
-    monkeypatch.setattr(tb, "THREAD_PROBE_SECONDS", 0.0)
+    monkeypatch.setattr(tb, "other_cores_now", lambda seconds: other_cores)
     monkeypatch.setattr(tb.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert tb.default_num_threads() == expected
 

@@ -3,7 +3,7 @@
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from train.tiny.quality import repetition
+from train.tiny.quality import greedy_repetition
 from train.tiny.unlikelihood import (UnlikelihoodSpec, finetune, repeated_ngram_mask,
                                      unlikelihood_loss)
 
@@ -30,12 +30,6 @@ def test_unlikelihood_loss_is_minus_log_one_minus_p_on_negatives():
     assert (p2[neg] < p[neg]).all()
 
 
-def _greedy_repetition(model, prefixes):
-    out = model.generate(prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=24,
-                         min_new_tokens=24, do_sample=False, pad_token_id=0)
-    return sum(repetition(r.tolist()) for r in out[:, prefixes.shape[1]:]) / len(out)
-
-
 def test_finetune_breaks_greedy_loops_of_a_looping_model():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
@@ -51,10 +45,9 @@ def test_finetune_breaks_greedy_loops_of_a_looping_model():
         model(input_ids=loops, labels=loops).loss.backward()
         opt.step()
         opt.zero_grad()
-    prefixes = rows[:4, :6]
-    before = _greedy_repetition(model, prefixes)
+    before = greedy_repetition(model, rows, prompts=4, prefix=6, new_tokens=24)
     stats = finetune(model, rows, UnlikelihoodSpec(steps=25, lr=1e-2, prefix_tokens=6,
                                                    new_tokens=24), seed=0, progress=False)
-    after = _greedy_repetition(model, prefixes)
+    after = greedy_repetition(model, rows, prompts=4, prefix=6, new_tokens=24)
     assert before > 0.5 and after < before - 0.3, (before, after)
     assert stats["steps"] == 25 and stats["curve_step_mle_ul_negatives"]
