@@ -117,11 +117,13 @@ def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> lis
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     if ev.dataset:
         return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
-                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat)
+                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
+                            template_kwargs=ev.chat_template_kwargs)
     if default is None:
         raise SystemExit("infer.py mode=eval: give eval.dataset=... (json/jsonl file, dataset "
                          "directory or hub id) with model=...")
-    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat)
+    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat,
+                          ev.chat_template_kwargs)
             if isinstance(p, str) else p for p in list(default)[: ev.num_prompts]]
 
 

@@ -48,6 +48,12 @@ class EvalConfig:
 
     enabled: bool = True
     """train.py: evaluate the trained drafter after training (infer.py mode=eval ignores it)."""
+    every_steps: int = 0
+    """train.py: also measure served acceptance (the exported head through the engine, greedy,
+    k = max(ks)) every N optimizer steps, logged as served/* beside the training accuracies;
+    0: off."""
+    every_num_prompts: int = 8
+    """train.py: prompts of that periodic measurement (the first of the evaluation prompts)."""
     methods: List[Any] = field(default_factory=_default_methods)
     """speculative_config mappings without num_speculative_tokens; an optional "name" labels one
     in reports. train.py runs them beside the trained drafter."""
@@ -72,6 +78,9 @@ class EvalConfig:
     """Subset (config name) of a hub dataset."""
     chat: Optional[bool] = None
     """Chat template: None = for chat-style records only, true = for every prompt."""
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Variables for the chat template, as vLLM's chat_template_kwargs (enable_thinking: false).
+    train.py adds data.enable_thinking, so training and evaluation render alike."""
     ignore_eos: bool = False
     """Generate max_tokens per prompt even past EOS."""
     warmup: bool = True

@@ -43,6 +43,13 @@ class Target:
             raise config_error("dtype", dtype, f"'auto' or one of {', '.join(DTYPES)}", _WHERE)
         dev = resolve_device(device)
         model = load_model(path, dtype=_resolve_dtype(dtype, dev), device=dev)
+        return cls.wrap(path, model, max_model_len=max_model_len, tokenizer=tokenizer)
+
+    @classmethod
+    def wrap(cls, path: str, model: Llama, *, max_model_len: int | None = None,
+             tokenizer: str | None = None) -> "Target":
+        """A model already in memory (a training run's frozen target) as an engine's target,
+        shared, not copied; ``path`` gives its tokenizer and names it."""
         cfg = model.config
         limit = max_model_len or min(cfg.max_position_embeddings, 4096)
         if limit > cfg.max_position_embeddings:
@@ -50,8 +57,9 @@ class Target:
                                f"<= the model's max_position_embeddings "
                                f"({cfg.max_position_embeddings})", _WHERE)
         tok = _load_tokenizer(tokenizer or path)
+        device = next(model.parameters()).device
         return cls(str(path), model, tok, frozenset(cfg.eos_token_ids) | _tokenizer_eos(tok),
-                   dev, limit)
+                   device, limit)
 
     @property
     def dtype(self) -> torch.dtype:

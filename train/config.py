@@ -65,6 +65,11 @@ class Device(StrChoice):
     cuda = "cuda"
 
 
+class LmHeadInit(StrChoice):
+    target_rows = "target_rows"
+    random = "random"
+
+
 class WandbMode(StrChoice):
     online = "online"
     offline = "offline"
@@ -101,6 +106,15 @@ class DataConfig:
     """Shuffle seed."""
     pack: bool = True
     """Pack examples into rows of max_length (documents never attend across each other)."""
+    enable_thinking: Optional[bool] = None
+    """Thinking models (Qwen3): the chat template's enable_thinking, passed alike to the
+    regeneration prompts, the training renders and the evaluation prompts; None: the template's
+    default."""
+
+    @property
+    def template_kwargs(self) -> dict:
+        """Variables for the chat template (vLLM's ``chat_template_kwargs``)."""
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
 
 @dataclass
@@ -157,6 +171,11 @@ class DrafterConfig:
     """eagle3: feed norm(h) back to the next step instead of h."""
     fc_norm: bool = False
     """eagle3: one RMSNorm per aux state before fc."""
+    norm_before_fc: bool = False
+    """eagle3: one RMSNorm over the concatenated aux states before fc (input_norm)."""
+    lm_head_init: LmHeadInit = LmHeadInit.target_rows
+    """eagle3: start the LM head from the target's rows of the draft vocabulary (target_rows,
+    +0.14 acceptance length measured, docs/benchmarks.md) or from random weights."""
     embed_requires_grad: bool = False
     """eagle3: train (and ship) its own embedding instead of sharing the target's."""
     n_predict: int = 3
@@ -199,6 +218,12 @@ class ObjectiveConfig:
     """pard: the floor of that fraction."""
     stage2_steps: int = 0
     """mlp_speculator: optimizer steps of stage 2 on the target's own answers; 0: off."""
+    stage2_lr_factor: float = 0.1
+    """mlp_speculator: stage 2's peak lr as a fraction of trainer.lr (IBM's recipe: 0.1)."""
+    stage2_warmup_steps: Optional[int] = None
+    """mlp_speculator: stage 2's warmup; None: IBM's min(2000, stage2_steps // 20)."""
+    stage2_min_lr_ratio: float = 0.1
+    """mlp_speculator: stage 2 anneals (cosine) to this fraction of its own peak (IBM: 0.1)."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ the tiny target's training files) is ``train.tiny.examples.build_default_dataset
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,7 +41,8 @@ import torch
 from datasets import Features, List, Value
 
 from train.data_formats import (FORMATS, SkipRow, added_special_tokens, detect_format,
-                                load_source, row_to_messages, tokenize_messages)
+                                load_source, row_to_messages, tokenize_messages,
+                                truncated_turns)
 
 __all__ = [
     "FORMATS", "DataStats", "Tokenize", "tokenize_dataset", "pack_lengths", "pack_dataset",
@@ -54,6 +56,10 @@ SKIP_REASONS = {  # reason -> how the summary line says it
     "template_error": "rejected by the chat template",
     "no_loss_tokens": "without loss tokens after truncation",
 }
+
+log = logging.getLogger(__name__)
+
+DROP_WARN = 0.05  # dropped conversations above this fraction get a warning
 
 TOKENIZED_FEATURES = Features({
     "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
@@ -81,58 +87,68 @@ class Tokenize:
     hashes deterministically into datasets' cache fingerprint.
     """
 
-    def __init__(self, tokenizer, format: str, max_length: int):
+    def __init__(self, tokenizer, format: str, max_length: int,
+                 template_kwargs: dict[str, Any] | None = None):
         if format not in FORMATS:
             raise ValueError(f"unknown format {format!r}; expected one of {sorted(FORMATS)}")
         self.tokenizer, self.format, self.max_length = tokenizer, format, max_length
+        self.template_kwargs = dict(template_kwargs or {})  # enable_thinking, ...
         self.added = [] if format == "text" else added_special_tokens(tokenizer)
 
-    def example(self, row: dict[str, Any], strict: bool = False
-                ) -> tuple[list[int], list[int], bool]:
-        """One row -> ``(input_ids [T], loss_mask [T], truncated)``; raises ``SkipRow``.
-
-        ``strict`` lets chat-template exceptions propagate instead of counting the row.
-        """
+    def _encode(self, row: dict[str, Any], strict: bool) -> list[tuple[list[int], list[int]]]:
+        """One row -> its examples' full-length ``(input_ids, loss_mask)``."""
         if self.format == "text":
             text = row.get("text") or ""
             if not text.strip():
                 raise SkipRow("empty")
             ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-            mask = [1] * len(ids)  # a plain document: every token is a target
-        else:
-            messages = row_to_messages(row, self.format)
-            try:
-                ids, mask = tokenize_messages(self.tokenizer, messages, self.added)
-            except SkipRow:
+            return [(ids, [1] * len(ids))]  # a plain document: every token is a target
+        messages = row_to_messages(row, self.format)
+        try:
+            return tokenize_messages(self.tokenizer, messages, self.added, truncated_turns(row),
+                                     **self.template_kwargs)
+        except SkipRow:
+            raise
+        except Exception:  # noqa: BLE001 - jinja raise_exception, role checks, ...
+            if strict:
                 raise
-            except Exception:  # noqa: BLE001 - jinja raise_exception, role checks, ...
-                if strict:
-                    raise
-                raise SkipRow("template_error") from None
-        if not ids:
-            raise SkipRow("empty")
-        truncated = len(ids) > self.max_length
-        ids, mask = ids[: self.max_length], mask[: self.max_length]
-        mask[0] = 0  # no in-document position precedes the first token
-        if not any(mask):
-            raise SkipRow("no_loss_tokens")
-        return ids, mask, truncated
+            raise SkipRow("template_error") from None
+
+    def examples(self, row: dict[str, Any], strict: bool = False
+                 ) -> list[tuple[list[int], list[int], bool]]:
+        """One row -> its examples ``(input_ids [T], loss_mask [T], truncated)`` (several for
+        per-turn templates, see ``train/data_formats.py``); raises ``SkipRow``.
+
+        ``strict`` lets chat-template exceptions propagate instead of counting the row.
+        """
+        out, encoded = [], self._encode(row, strict)
+        for ids, mask in encoded:
+            if not ids:
+                continue
+            truncated = len(ids) > self.max_length
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+            mask[0] = 0  # no in-document position precedes the first token
+            if any(mask):
+                out.append((ids, mask, truncated))
+        if not out:
+            raise SkipRow("no_loss_tokens" if any(ids for ids, _ in encoded) else "empty")
+        return out
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in TOKENIZED_FEATURES}
         n = len(next(iter(batch.values())))
         for i in range(n):
             try:
-                ids, mask, truncated = self.example({k: v[i] for k, v in batch.items()})
-                skip = ""
+                rows = [(*e, "") for e in self.examples({k: v[i] for k, v in batch.items()})]
             except SkipRow as s:
-                ids, mask, truncated, skip = [], [], False, s.reason
-            out["input_ids"].append(ids)
-            out["loss_mask"].append(mask)
-            out["num_tokens"].append(len(ids))
-            out["num_loss_tokens"].append(sum(mask))
-            out["truncated"].append(truncated)
-            out["skip"].append(skip)
+                rows = [([], [], False, s.reason)]  # one row per skipped conversation
+            for ids, mask, truncated, skip in rows:
+                out["input_ids"].append(ids)
+                out["loss_mask"].append(mask)
+                out["num_tokens"].append(len(ids))
+                out["num_loss_tokens"].append(sum(mask))
+                out["truncated"].append(truncated)
+                out["skip"].append(skip)
         return out
 
 
@@ -148,6 +164,21 @@ class DataStats:
     max_length: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     packed_rows: int | None = None
+
+    @property
+    def dropped_fraction(self) -> float:
+        """Conversations (rows) skipped as a whole, as a fraction of all rows."""
+        return sum(self.skipped.values()) / max(1, self.rows)
+
+    def warning(self) -> str | None:
+        """The loud line for more than ``DROP_WARN`` of the rows dropped, else None."""
+        if self.dropped_fraction <= DROP_WARN:
+            return None
+        top = max(self.skipped, key=self.skipped.get)
+        return (f"data: {self.dropped_fraction:.1%} of the {self.rows} conversations were "
+                f"dropped (more than {DROP_WARN:.0%}), most {SKIP_REASONS.get(top, top)} "
+                f"({self.skipped[top]}); the drafter trains on a biased fraction of the data. "
+                "Check the format, the chat template and data.max_length.")
 
     def summary(self) -> str:
         skips = ", ".join(f"{n} {SKIP_REASONS.get(r, r)}" for r, n in sorted(self.skipped.items()))
@@ -167,11 +198,13 @@ def _keep(skip: list[str]) -> list[bool]:
 
 def tokenize_dataset(dataset: datasets.Dataset, tokenizer, *, max_length: int,
                      format: str | None = None, num_proc: int = 1,
+                     template_kwargs: dict[str, Any] | None = None,
                      ) -> tuple[datasets.Dataset, DataStats]:
     """Tokenize every row (cached map); drop and count rows that cannot train.
 
-    Returns rows with ``input_ids``, ``loss_mask`` (variable length <= max_length),
-    ``num_tokens``, ``num_loss_tokens``, in the input order.
+    Returns examples with ``input_ids``, ``loss_mask`` (variable length <= max_length),
+    ``num_tokens``, ``num_loss_tokens``, in the input order (a row may give several, see
+    ``train/data_formats.py``). ``template_kwargs`` reach the chat template.
     """
     if max_length < 2:
         raise ValueError(f"data: invalid value for 'max_length': {max_length!r}; expected >= 2")
@@ -182,10 +215,10 @@ def tokenize_dataset(dataset: datasets.Dataset, tokenizer, *, max_length: int,
     if fmt != "text" and not tokenizer.chat_template:
         raise ValueError(f"data: format {fmt!r} needs a tokenizer with a chat_template; set "
                          "tokenizer.chat_template or use format='text'")
-    fn = Tokenize(tokenizer, fmt, max_length)
+    fn = Tokenize(tokenizer, fmt, max_length, template_kwargs)
     if len(dataset):  # a broken template fails loudly here instead of skipping every row
         try:
-            fn.example(dataset[0], strict=True)
+            fn.examples(dataset[0], strict=True)
         except SkipRow:
             pass
     mapped = dataset.map(fn, batched=True, batch_size=256, remove_columns=dataset.column_names,
@@ -194,7 +227,7 @@ def tokenize_dataset(dataset: datasets.Dataset, tokenizer, *, max_length: int,
     table = mapped.data.table
     kept = pc.equal(table.column("skip"), "")
     stats = DataStats(
-        rows=len(mapped), examples=int(pc.sum(kept).as_py() or 0),
+        rows=len(dataset), examples=int(pc.sum(kept).as_py() or 0),
         tokens=int(pc.sum(table.column("num_tokens")).as_py() or 0),
         loss_tokens=int(pc.sum(table.column("num_loss_tokens")).as_py() or 0),
         truncated=int(pc.sum(table.column("truncated")).as_py() or 0), max_length=max_length,
@@ -322,13 +355,15 @@ def prepare_dataset(source: str | Path | datasets.Dataset | datasets.DatasetDict
                     pack: bool = True, num_proc: int = 1, seed: int = 0, shuffle: bool = True,
                     max_examples: int | None = None, cache_dir: str | None = None,
                     pack_batch_size: int = 2000, verbose: bool = True,
-                    return_stats: bool = False):
+                    return_stats: bool = False, template_kwargs: dict[str, Any] | None = None):
     """Load, shuffle, tokenize with loss masks, drop unusable rows, pack. Prints one summary line.
 
     ``source``: a Hub id, a local file / folder (see ``load_source``) or a ``Dataset``.
     ``format``: None auto-detects from the columns (``FORMATS``). ``pack=False`` keeps one
-    example per row (variable length; ``collate`` pads). Returns the dataset, or
-    ``(dataset, DataStats)`` with ``return_stats``.
+    example per row (variable length; ``collate`` pads). ``template_kwargs`` reach the chat
+    template (``enable_thinking``). More than ``DROP_WARN`` of the rows dropped is logged as a
+    warning even when not ``verbose``. Returns the dataset, or ``(dataset, DataStats)`` with
+    ``return_stats``.
     """
     if isinstance(source, datasets.DatasetDict):
         source = source[split]
@@ -339,7 +374,9 @@ def prepare_dataset(source: str | Path | datasets.Dataset | datasets.DatasetDict
     if max_examples is not None:
         ds = ds.select(range(min(max_examples, len(ds))))
     ds, stats = tokenize_dataset(ds, tokenizer, max_length=max_length, format=format,
-                                 num_proc=num_proc)
+                                 num_proc=num_proc, template_kwargs=template_kwargs)
+    if stats.warning():
+        log.warning(stats.warning())
     if stats.examples == 0:
         raise ValueError(f"data: no usable examples in {source!r}: {stats.summary()}")
     if pack:

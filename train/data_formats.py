@@ -28,10 +28,26 @@ What is in the loss (decided here, once, for every template):
 - never the first token of a document (see ``train/data.py``): no in-document position precedes
   it, so nothing can predict it.
 
-Templates that render an earlier answer differently once later turns follow (Qwen3 drops
-``<think>`` blocks of earlier answers) break the prefix property. Then the answer is located by
-its content after the point where the prefix render and the full render diverge, and extended by
-the template text that follows it in both renders (the terminator).
+One example per conversation, or one per assistant turn
+-------------------------------------------------------
+A drafter must see every answer exactly as the target generated it and as serving will show it:
+the prompt rendered with the generation prompt, then the answer tokens. When every
+``messages[:i + 1]`` render is a prefix of the full render, the whole conversation is one
+example and each answer in it sits in exactly that context. Templates that render an earlier
+answer differently once later turns follow (Qwen3 strips the ``<think>`` block of every answer
+before the last user message) break that property; the conversation then becomes one example
+per assistant turn, ``messages[:i + 1]``, where the answer is the last turn and keeps what the
+template keeps of it (its think block) while earlier answers appear as serving renders them.
+Where even ``messages[:i]`` + generation prompt is not a prefix of ``messages[:i + 1]``, the
+answer is located by its content (after the point where the two renders diverge) and extended
+by the template text that follows it in both renders (the terminator).
+
+Answers cut by ``max_tokens`` (regenerated answers listed in the row's ``truncated_turns``)
+never ended: no terminator followed them, and a template re-rendering one cut inside its think
+block writes something serving never produces (Qwen3 prepends an empty think block). Each
+becomes its own example, the generation prompt followed by the answer text exactly as
+generated, every answer token in the loss and no terminator; where the conversation goes on, it
+is context of the later turns as the template renders it, not a target.
 
 BOS: templates like Llama 3's write ``<|begin_of_text|>`` themselves and their tokenizers add it
 too; the text is tokenised with ``add_special_tokens=False`` whenever the rendered text already
@@ -54,6 +70,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),  # one user turn + one assistant turn
     "text": ("text",),                  # a plain document: every token is trained, no template
 }
+TRUNCATED_COLUMN = "truncated_turns"  # regenerated rows: message indices of answers cut short
 FORMAT_HELP = ("sharegpt (conversations: from/value), openai (messages: role/content), "
                "prompt_completion (prompt + completion), text (text)")
 
@@ -129,11 +146,20 @@ def row_to_messages(row: dict[str, Any], format: str) -> list[dict[str, str]]:
     return messages[: last + 1]
 
 
+def truncated_turns(row: dict[str, Any]) -> frozenset[int]:
+    """Message indices (``row_to_messages`` numbering) of answers cut by ``max_tokens``."""
+    return frozenset(int(i) for i in row.get(TRUNCATED_COLUMN) or ())
+
+
 # --------------------------------------------------------------------------------- masks
 
-def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False,
+           **template_kwargs: Any) -> str:
+    """The chat template's text; ``template_kwargs`` (``enable_thinking``) reach the template
+    as variables, as vLLM's ``chat_template_kwargs`` do."""
     return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -165,29 +191,44 @@ def _turn_span(full: str, before: str, after: str, content: str) -> tuple[int, i
     return start, end
 
 
-def assistant_char_spans(tokenizer, messages: list[dict[str, str]]
-                         ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the ``[start, end)`` character spans that are loss targets.
+def _answer_span(text: str, start: int, end: int) -> tuple[int, int]:
+    """``[start, end)`` without the template's whitespace after the terminator."""
+    kept = text[start:end].rstrip()
+    return (start, start + len(kept)) if kept else (start, end)
 
-    Raises ``SkipRow("template_error")`` when the template cannot place an answer.
+
+def conversation_examples(tokenizer, messages: list[dict[str, str]],
+                          truncated: frozenset[int] = frozenset(), **template_kwargs: Any
+                          ) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The rendered training texts of one conversation, each with the ``[start, end)``
+    character spans that are loss targets (see the module doc for when there are several).
+
+    ``truncated``: message indices of answers cut by ``max_tokens``; ``template_kwargs`` go to
+    the chat template (``enable_thinking``). Raises ``SkipRow("template_error")`` when the
+    template cannot place an answer.
     """
-    full = render(tokenizer, messages)
-    spans: list[tuple[int, int]] = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+    full = render(tokenizer, messages, **template_kwargs)
+    turns = {i: (render(tokenizer, messages[:i], True, **template_kwargs),
+                 render(tokenizer, messages[: i + 1], **template_kwargs))
+             for i, m in enumerate(messages) if m["role"] == "assistant"}
+    whole = all(a.startswith(b) and full.startswith(a) for b, a in turns.values())
+    examples, spans = [], []
+    for i, (before, after) in turns.items():
+        content = messages[i]["content"]
+        if i in truncated:
+            if content:
+                examples.append((before + content, [(len(before), len(before) + len(content))]))
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
-        after = render(tokenizer, messages[: i + 1])
-        span = _turn_span(full, before, after, message["content"])
+        span = _turn_span(full if whole else after, before, after, content)
         if span is None:
             raise SkipRow("template_error")
-        start, end = span
-        kept = full[start:end].rstrip()  # the template's whitespace after the terminator
-        if kept:
-            end = start + len(kept)
-        if end > start:
-            spans.append((start, end))
-    return full, spans
+        if whole:
+            spans.append(_answer_span(full, *span))
+        else:
+            examples.append((after, [_answer_span(after, *span)]))
+    if spans:
+        examples.insert(0, (full, spans))
+    return examples
 
 
 def offsets_to_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
@@ -216,11 +257,16 @@ def added_special_tokens(tokenizer) -> list[str]:
     return tokenizer.convert_ids_to_tokens([i for i in ids if i in special])
 
 
-def tokenize_messages(tokenizer, messages: list[dict[str, str]],
-                      added: list[str] | None = None) -> tuple[list[int], list[int]]:
-    """Render + tokenise one conversation -> ``(input_ids, loss_mask)``, both ``[T]``."""
-    text, spans = assistant_char_spans(tokenizer, messages)
+def tokenize_messages(tokenizer, messages: list[dict[str, str]], added: list[str] | None = None,
+                      truncated: frozenset[int] = frozenset(), **template_kwargs: Any
+                      ) -> list[tuple[list[int], list[int]]]:
+    """Render + tokenise one conversation -> its examples' ``(input_ids, loss_mask)``, ``[T]``
+    each (one example unless the template or ``truncated`` answers need more, see the module
+    doc)."""
     added = added_special_tokens(tokenizer) if added is None else added
-    add_special = bool(added) and not all(tok in text for tok in added)
-    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
-    return list(enc["input_ids"]), offsets_to_mask(enc["offset_mapping"], spans)
+    out = []
+    for text, spans in conversation_examples(tokenizer, messages, truncated, **template_kwargs):
+        add_special = bool(added) and not all(tok in text for tok in added)
+        enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+        out.append((list(enc["input_ids"]), offsets_to_mask(enc["offset_mapping"], spans)))
+    return out

@@ -29,11 +29,25 @@ def eval_prompts(cfg: TrainConfig, target_dir: str) -> list[Any]:
 
     ev = cfg.eval
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    kwargs = template_kwargs(cfg)
     if ev.dataset:
         return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
-                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat)
-    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat)
+                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
+                            template_kwargs=kwargs)
+    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat, kwargs)
             for p in heldout_prompts(ev.num_prompts, seed=cfg.seed)]
+
+
+def template_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """``eval.chat_template_kwargs`` plus the data's (``data.enable_thinking``): evaluation
+    prompts render as the training data did; a contradiction between the two is an error."""
+    ev, data = dict(cfg.eval.chat_template_kwargs or {}), cfg.data.template_kwargs
+    for key, value in data.items():
+        if key in ev and ev[key] != value:
+            raise ValueError(f"eval.chat_template_kwargs.{key}={ev[key]!r} contradicts "
+                             f"data.{key}={value!r}: the drafter would be evaluated on prompts "
+                             f"rendered unlike its training data; set only data.{key}")
+    return {**ev, **data}
 
 
 def harness_configs(cfg: TrainConfig, drafter_spec: dict,

@@ -31,6 +31,7 @@ from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset
 from train.features import FeatureSource, FrozenTarget, make_feature_source
 from train.objectives.base import OBJECTIVES, Objective, Stage, StageData
+from train.served_eval import ServedEval
 from train.tiny.examples import build_default_dataset
 from train.vocab import DraftVocab, build_draft_vocab
 
@@ -68,13 +69,15 @@ def run(cfg: TrainConfig) -> RunResult:
     objective = OBJECTIVES.get(cfg.drafter.method)(cfg, target.heads, prepared.vocab,
                                                    prepared.target_dir)
     logger = _make_logger(cfg, state)
+    served = ServedEval.from_config(cfg, objective, target)  # every rank joins its gather
     try:
-        stages, step = objective.stages(), 0
+        stages, step, result = objective.stages(), 0, None
         for stage in stages:
             rows = stage_rows(cfg, stage, prepared, state)
             source = feature_source(cfg, target, objective, rows, stage, state)
-            result = train_stage(cfg, objective, source, stage, prepared, logger,
-                                 last=stage is stages[-1])
+            moments = result.optimizer_state if result and stage.carry_optimizer else None
+            result = train_stage(cfg, objective, source, stage, prepared, logger, stages,
+                                 optimizer_state=moments, served=served)
             step += result.step  # W&B steps must not go backwards
         export(objective, result, cfg.final_dir, state)
         report = None
@@ -133,8 +136,8 @@ def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: 
     if n is not None:
         raw = raw.select(range(min(n, len(raw))))
     return regenerate(raw, target_dir, cfg.regenerate, cfg.run_dir / name,
-                      format=cfg.data.format, seed=cfg.seed,
-                      device=cfg.trainer.device)
+                      format=cfg.data.format, seed=cfg.seed, device=cfg.trainer.device,
+                      template_kwargs=cfg.data.template_kwargs)
 
 
 def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = True
@@ -163,7 +166,8 @@ def tokenize(cfg: TrainConfig, raw: datasets.Dataset, tokenizer) -> datasets.Dat
     """Loss-masked packed rows (regenerated examples keep their source's format)."""
     d = cfg.data
     return prepare_dataset(raw, tokenizer, max_length=d.max_length, format=d.format,
-                           pack=d.pack, num_proc=d.num_proc, seed=d.seed, shuffle=False)
+                           pack=d.pack, num_proc=d.num_proc, seed=d.seed, shuffle=False,
+                           template_kwargs=d.template_kwargs)
 
 
 # ---- 4. stages -------------------------------------------------------------------------------
@@ -196,9 +200,12 @@ def feature_source(cfg: TrainConfig, target: FrozenTarget, objective: Objective,
 
 
 def train_stage(cfg: TrainConfig, objective: Objective, source: FeatureSource, stage: Stage,
-                prepared: PreparedData, logger, last: bool):
-    """The trainer on one stage (its ``trainer`` overrides applied); the last stage also gathers
-    the objective's state for the export."""
+                prepared: PreparedData, logger, stages: list[Stage],
+                optimizer_state: dict | None = None, served: ServedEval | None = None):
+    """The trainer on one stage of ``stages`` (its ``trainer`` overrides applied, from
+    ``optimizer_state`` when given; its own kept when the next stage carries it over); the last
+    stage also gathers the objective's state for the export; ``served`` measures served
+    acceptance every ``eval.every_steps``."""
     from transformers import AutoTokenizer
 
     from train.trainer import train
@@ -206,8 +213,11 @@ def train_stage(cfg: TrainConfig, objective: Objective, source: FeatureSource, s
     stage_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
                                                                      **stage.trainer))
     pad_id = pad_token_id(AutoTokenizer.from_pretrained(prepared.target_dir))
+    following = stages[stages.index(stage) + 1] if stage is not stages[-1] else Stage()
     return train(stage_cfg, objective, source, pad_id=pad_id, run_dir=cfg.run_dir, logger=logger,
-                 stage=stage.name, gather_state=last)
+                 stage=stage.name, gather_state=stage is stages[-1],
+                 optimizer_state=optimizer_state, keep_optimizer_state=following.carry_optimizer,
+                 served=served)
 
 
 # ---- 5. export, 6. evaluation ----------------------------------------------------------------

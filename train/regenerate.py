@@ -17,8 +17,11 @@ regenerate). Answers come from draftsmith's engine (``infer.LLM``: continuous ba
 The answer is what the target emitted minus its stop token (EOS, or the template's turn
 terminator, made a stop token too, so a config whose EOS is not the terminator, e.g. Llama 3's
 ``<|end_of_text|>`` vs ``<|eot_id|>``, still ends the turn); the template re-adds the terminator
-when the data is tokenised. Answers cut by ``max_tokens`` are kept and counted; rows the
-pipeline cannot use and answers whose prompt exceeds ``max_model_len`` are kept unchanged.
+when the data is tokenised. Answers cut by ``max_tokens`` are kept, counted and listed in the
+row's ``truncated_turns`` column (message indices), so the data pipeline trains them without an
+invented terminator; rows the pipeline cannot use and answers whose prompt exceeds
+``max_model_len`` are kept unchanged. ``template_kwargs`` (``enable_thinking``) reach the chat
+template here exactly as in the data pipeline and the evaluation prompts.
 
 ``out_dir`` holds ``chunk_NNNNN.jsonl`` (input format, same columns, answers replaced; each
 written atomically when its chunk completes, so a rerun resumes at the missing chunks; the
@@ -46,11 +49,11 @@ from tqdm.auto import tqdm
 from infer.atomic import atomic_dir, write_text
 from infer.validation import check_float, check_int
 from train import fingerprint
-from train.data_formats import (SkipRow, added_special_tokens, detect_format, render,
-                                row_to_messages)
+from train.data_formats import (TRUNCATED_COLUMN, SkipRow, added_special_tokens, detect_format,
+                                render, row_to_messages)
 
 _WHERE = "regenerate"
-_VERSION = 2
+_VERSION = 3  # 3: truncated_turns column, template_kwargs
 _TARGET_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -77,9 +80,9 @@ def _target_digest(target_dir: str) -> str:
 
 
 def inputs_fingerprint(dataset: datasets.Dataset, target_dir: str, cfg, fmt: str, seed: int,
-                chunk_size: int) -> dict[str, Any]:
+                       chunk_size: int, template_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Everything that changes the regenerated rows (a resumed run must match all of it)."""
-    return {"version": _VERSION, "target_dir": str(Path(target_dir).resolve()),
+    return {"version": _VERSION, "template_kwargs": dict(sorted(template_kwargs.items())), "target_dir": str(Path(target_dir).resolve()),
             "target_files": _target_digest(target_dir), "temperature": float(cfg.temperature),
             "top_p": float(cfg.top_p), "max_tokens": int(cfg.max_tokens),
             "max_model_len": cfg.max_model_len, "format": fmt, "seed": seed,
@@ -107,6 +110,7 @@ class Job:
     messages: list[dict[str, str]]
     todo: list[int]
     done: dict[int, str] = field(default_factory=dict)
+    truncated: list[int] = field(default_factory=list)  # indices whose answer hit max_tokens
 
 
 def make_job(row: dict[str, Any], fmt: str) -> Job | None:
@@ -130,8 +134,10 @@ def _set_content(message: dict[str, Any], text: str) -> None:
 
 
 def write_back(row: dict[str, Any], fmt: str, job: Job | None) -> dict[str, Any]:
-    """``row`` (a copy) with the regenerated answers in place of the originals."""
+    """``row`` (a copy) with the regenerated answers in place of the originals and the
+    indices of those cut by ``max_tokens`` in ``TRUNCATED_COLUMN``."""
     row = copy.deepcopy(row)
+    row[TRUNCATED_COLUMN] = list(job.truncated) if job else []
     for i, text in (job.done if job else {}).items():
         if fmt == "openai":
             _set_content(row["messages"][i], text)
@@ -159,12 +165,13 @@ class Counts:
             setattr(self, k, getattr(self, k) + v)
 
 
-def _terminator(tokenizer) -> str:
+def _terminator(tokenizer, template_kwargs: dict[str, Any]) -> str:
     """The text the chat template writes right after an answer (``<|eot_id|>``, ...), or ""."""
     marker = "\x1fANSWER\x1f"
     try:
         user = [{"role": "user", "content": "hi"}]
-        full = render(tokenizer, user + [{"role": "assistant", "content": marker}])
+        full = render(tokenizer, user + [{"role": "assistant", "content": marker}],
+                      **template_kwargs)
     except Exception:  # noqa: BLE001 - a template that needs other roles: no terminator known
         return ""
     at = full.find(marker)
@@ -174,7 +181,8 @@ def _terminator(tokenizer) -> str:
 class Regenerator:
     """One engine over the target; ``rewrite(jobs)`` fills each job's ``done`` answers."""
 
-    def __init__(self, target_dir: str, cfg, seed: int, device: str):
+    def __init__(self, target_dir: str, cfg, seed: int, device: str,
+                 template_kwargs: dict[str, Any] | None = None):
         from transformers import AutoTokenizer
 
         from infer import LLM, SamplingParams
@@ -186,7 +194,8 @@ class Regenerator:
         self.llm = LLM(target_dir, max_num_seqs=cfg.batch_size, max_model_len=cfg.max_model_len,
                        seed=seed, device=device)
         self.added = added_special_tokens(tok)
-        self.terminator = _terminator(tok)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.terminator = _terminator(tok, self.template_kwargs)
         term_ids = tok(self.terminator, add_special_tokens=False)["input_ids"]
         stop = term_ids if len(term_ids) == 1 else []  # a one-token terminator stops generation
         self.stop_ids = set(self.llm.eos_ids) | set(stop)
@@ -196,7 +205,7 @@ class Regenerator:
 
     def prompt_ids(self, history: list[dict[str, str]]) -> list[int]:
         """Token ids exactly as ``data_formats.tokenize_messages`` tokenises the same prefix."""
-        text = render(self.tokenizer, history, add_generation_prompt=True)
+        text = render(self.tokenizer, history, True, **self.template_kwargs)
         add = bool(self.added) and not all(t in text for t in self.added)
         return self.tokenizer(text, add_special_tokens=add)["input_ids"]
 
@@ -244,7 +253,9 @@ class Regenerator:
                     job.done[i] = job.messages[i]["content"] = self.answer(out.outputs[0])
                     counts.answers, done = counts.answers + 1, done + 1
                     tokens += len(out.outputs[0].token_ids)
-                    counts.truncated += out.finish_reason == "length"
+                    if out.finish_reason == "length":
+                        counts.truncated += 1
+                        job.truncated.append(i)
                 counts.tokens += tokens
                 progress(done, tokens)
             turn += 1
@@ -260,9 +271,11 @@ def _chunk_path(out_dir: Path, i: int) -> Path:
 
 def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | Path, *,
                format: str | None = None, seed: int = 0, device: str = "auto",
-               progress: bool = True, chunk_size: int = 256) -> datasets.Dataset:
-    """``dataset`` (same format and columns) with every assistant answer written by the target;
-    resumes from the chunks already in ``out_dir`` (see the module doc)."""
+               progress: bool = True, chunk_size: int = 256,
+               template_kwargs: dict[str, Any] | None = None) -> datasets.Dataset:
+    """``dataset`` (same format, its columns plus ``TRUNCATED_COLUMN``) with every assistant
+    answer written by the target; resumes from the chunks already in ``out_dir`` (see the module
+    doc)."""
     check_float("regenerate.temperature", cfg.temperature, _WHERE, low=0.0)
     check_float("regenerate.top_p", cfg.top_p, _WHERE, low=0.0, high=1.0, low_open=True)
     check_int("regenerate.max_tokens", cfg.max_tokens, _WHERE, minimum=1)
@@ -275,28 +288,29 @@ def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | P
                          f"{dataset.column_names}); regeneration needs a chat (openai, sharegpt) "
                          "or prompt_completion dataset, or regenerate.enabled=false")
     out_dir = Path(out_dir)
-    _check_fingerprint(out_dir, inputs_fingerprint(dataset, target_dir, cfg, fmt, seed, chunk_size))
+    kwargs = dict(template_kwargs or {})
+    _check_fingerprint(out_dir, inputs_fingerprint(dataset, target_dir, cfg, fmt, seed, chunk_size,
+                                                   kwargs))
     final = out_dir / "dataset"
     if final.is_dir():
         return datasets.load_from_disk(str(final))
     n_chunks = -(-len(dataset) // chunk_size)
     missing = [i for i in range(n_chunks) if not _chunk_path(out_dir, i).exists()]
     if missing:
-        _generate_chunks(dataset, target_dir, cfg, out_dir, fmt, seed, device, progress,
-                         chunk_size, missing)
+        _generate_chunks(dataset, Regenerator(target_dir, cfg, seed, device, kwargs), out_dir,
+                         fmt, seed, progress, chunk_size, missing)
     elif progress:
         print(f"{_WHERE}: all {n_chunks} chunks already in {out_dir}", flush=True)
     return _combine(out_dir, n_chunks, dataset.features)
 
 
-def _generate_chunks(dataset, target_dir, cfg, out_dir: Path, fmt: str, seed: int, device: str,
-                     show: bool, chunk_size: int, missing: list[int]) -> None:
+def _generate_chunks(dataset, gen: Regenerator, out_dir: Path, fmt: str, seed: int, show: bool,
+                     chunk_size: int, missing: list[int]) -> None:
     def rows(i: int) -> list[dict]:
         return list(dataset.select(range(i * chunk_size, min((i + 1) * chunk_size,
                                                              len(dataset)))).with_format(None))
 
     total = sum(len(j.todo) for i in missing for j in (make_job(r, fmt) for r in rows(i)) if j)
-    gen = Regenerator(target_dir, cfg, seed, device)
     stats_path = out_dir / "stats.json"
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     run, live, start = Counts(), Counts(), time.perf_counter()
@@ -326,7 +340,7 @@ def _generate_chunks(dataset, target_dir, cfg, out_dir: Path, fmt: str, seed: in
         every.add(Counts(**c))
     print(f"{_WHERE}: {every.answers} answers ({run.answers} this run, {run.tokens} tokens, "
           f"{run.tokens / max(seconds, 1e-9):.0f} tok/s), {every.truncated} hit "
-          f"max_tokens={cfg.max_tokens}, {every.kept} kept (prompt longer than max_model_len or "
+          f"max_tokens={gen.params.max_tokens}, {every.kept} kept (prompt longer than max_model_len or "
           f"rejected by the template), {every.rows_skipped} rows unusable -> {out_dir}", flush=True)
 
 
@@ -334,6 +348,8 @@ def _combine(out_dir: Path, n_chunks: int, features: datasets.Features) -> datas
     """Chunks -> one ``save_to_disk`` folder with the input's features, replaced atomically."""
     rows = [json.loads(line) for i in range(n_chunks)
             for line in _chunk_path(out_dir, i).read_text(encoding="utf-8").split("\n") if line]
+    features = datasets.Features({**features, TRUNCATED_COLUMN: datasets.List(
+        datasets.Value("int32"))})
     ds = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in features},
                                     features=features)
     with atomic_dir(out_dir / "dataset") as tmp:

@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from train.fingerprint import digest
 from train.meter import Meter
 from train.schedule import Plan, lr_factor, set_hyperparameters  # noqa: F401 (lr_factor: API)
 
+if TYPE_CHECKING:
+    from train.served_eval import ServedEval
+
 TOKEN_FIELDS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
 ACC_KEYS = ("full_acc_0", "acc_0", "acc")  # shown in the progress bar, first found
 WHERE = "train config"
@@ -50,6 +53,8 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)  # last logged values, no prefix
     state_dict: dict[str, Tensor] | None = None  # gathered objective state (``gather_state``;
     # main process only): what ``checkpoint.export_atomically`` writes as the drafter
+    optimizer_state: dict | None = None  # the optimizer's moments at the end, for a next stage
+    # that carries them over (None under DeepSpeed / FSDP, whose optimizers are sharded)
 
 
 class TrainingDiverged(RuntimeError):
@@ -170,32 +175,51 @@ class _Position:
 
 def train(cfg, objective, source: FeatureSource, *, pad_id: int, run_dir: Path, logger: Logger,
           stage: str = "main", gather_state: bool = False, accelerator=None,
-          _on_step: Callable[[int], None] | None = None) -> TrainResult:
+          optimizer_state: dict | None = None, keep_optimizer_state: bool = False,
+          served: ServedEval | None = None, _on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Train ``objective`` on ``source`` (``rows[i]``: packed-row fields, lists or ``[T]``
     tensors, plus optional cached ``[T, D]`` features; ``add_features(batch)`` runs on the
     device batch) for one stage; checkpoints under ``run_dir/checkpoints``. ``stage`` names the
     checkpoint folder and log prefix (``train/`` for "main"). ``gather_state``: return the full
     objective state dict (collective under ZeRO-3 / FSDP; main process only) for the export.
+    ``optimizer_state``: an earlier stage's ``TrainResult.optimizer_state`` to start from (its
+    moments; this stage's lr and schedule apply; a checkpoint of this stage wins on resume);
+    ``keep_optimizer_state`` returns this stage's for a next one (else it is freed).
+    ``served`` (``train/served_eval.py``) measures served acceptance on the main process every
+    ``served.every_steps`` optimizer steps; its values are logged under ``served/``.
     ``_on_step(step)`` runs after each optimizer step (tests use it to simulate a crash)."""
-    loop = _StageLoop(cfg, objective, source, pad_id, run_dir, logger, stage, accelerator)
+    loop = _StageLoop(cfg, objective, source, pad_id, run_dir, logger, stage, accelerator,
+                      optimizer_state, served)
     start, session_tokens = time.perf_counter(), 0
     try:
         while loop.pos.step < loop.plan.total:
             session_tokens += loop.epoch(_on_step)
         elapsed = max(time.perf_counter() - start, 1e-9)
         state = loop.gather() if gather_state else None
+        keep = keep_optimizer_state and carries_optimizer(loop.acc)
+        moments = loop.raw_opt.state_dict() if keep else None
     finally:
         loop.close()
     return TrainResult(loop.pos.step, loop.pos.tokens, session_tokens / elapsed,
-                       {k: float(v) for k, v in loop.metrics.items()}, state)
+                       {k: float(v) for k, v in loop.metrics.items()}, state, moments)
+
+
+def carries_optimizer(acc) -> bool:
+    """Whether the plain torch optimizer holds all of its state on this rank (not DeepSpeed's
+    or FSDP's sharded one), so that a next stage can start from its moments."""
+    from accelerate.utils import DistributedType
+
+    return acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
 
 
 class _StageLoop:
     """One stage's prepared training state and its four parts (see the module doc)."""
 
     def __init__(self, cfg, objective, source: FeatureSource, pad_id: int, run_dir: Path,
-                 logger: Logger, stage: str, accelerator) -> None:
+                 logger: Logger, stage: str, accelerator, optimizer_state: dict | None,
+                 served: ServedEval | None = None) -> None:
         self.tcfg, self.objective, self.logger, self.stage = cfg.trainer, objective, logger, stage
+        self.served = served
         validate(self.tcfg, len(source.rows))
         self.acc = accelerator or make_accelerator(self.tcfg, cfg.seed)
         if self.acc.gradient_accumulation_steps != self.tcfg.grad_accum:
@@ -207,7 +231,7 @@ class _StageLoop:
         self.root = ckpt.checkpoint_root(run_dir, stage)
         self.compat = ckpt.compat_config(cfg, stage, self.acc.num_processes)
         self.add_features = source.add_features
-        self._prepare(cfg.seed, source.rows, pad_id)
+        self._prepare(cfg.seed, source.rows, pad_id, optimizer_state)
         self.last_ckpt, self.pos, self.metrics = _start(self.acc, self.tcfg, self.root,
                                                         self.compat, stage)
         set_hyperparameters(self.raw_opt, self.raw_sched, self.tcfg, self.plan, self.pos.step)
@@ -220,10 +244,13 @@ class _StageLoop:
         self.pbar = tqdm(total=self.plan.total, initial=self.pos.step, desc=f"train[{stage}]",
                          unit="step", disable=not self.acc.is_main_process, dynamic_ncols=True)
 
-    def _prepare(self, seed: int, rows, pad_id: int) -> None:
-        """Optimizer, seeded DataLoader and schedule, through ``accelerator.prepare``."""
+    def _prepare(self, seed: int, rows, pad_id: int, optimizer_state: dict | None) -> None:
+        """Optimizer (from ``optimizer_state`` where given and the optimizer is not sharded),
+        seeded DataLoader and schedule, through ``accelerator.prepare``."""
         tcfg, acc = self.tcfg, self.acc
         self.raw_opt = make_optimizer(self.objective, tcfg)
+        if optimizer_state is not None and carries_optimizer(acc):
+            self.raw_opt.load_state_dict(optimizer_state)  # lr / betas: set_hyperparameters
         generator = torch.Generator().manual_seed(seed)  # keeps DataLoader draws off global RNG
         loader = DataLoader(rows, batch_size=tcfg.micro_batch_size, shuffle=True,
                             collate_fn=Collate(pad_id), num_workers=tcfg.num_workers,
@@ -311,6 +338,8 @@ class _StageLoop:
             pos.epoch, pos.batches = pos.epoch + 1, 0
         if pos.step % tcfg.log_every == 0 or pos.step == self.plan.total:
             self.log()
+        if self.served is not None and pos.step % self.served.every_steps == 0:
+            self.log_served()
         self.pbar.update(1)
         self.pbar.set_postfix(_postfix(loss, self.lr, self.metrics), refresh=False)
         if (tcfg.save_every and pos.step % tcfg.save_every == 0) or pos.step == self.plan.total:
@@ -324,7 +353,24 @@ class _StageLoop:
         self.metrics = self.meter.log_values(self.acc)
         self.metrics.update(lr=self.lr, tokens=float(self.pos.tokens),
                             epoch=self.pos.step / self.plan.per_epoch)
-        data = {f"{self.prefix}/{k}": v for k, v in self.metrics.items()}
+        self._emit({f"{self.prefix}/{k}": v for k, v in self.metrics.items()})
+
+    def log_served(self) -> None:
+        """Served acceptance of the current weights (collective gather, main process runs the
+        engine), logged and printed beside the training accuracies."""
+        state = self.gather()
+        if state is not None:
+            values = self.served(state)
+            self._emit({f"served/{k}": v for k, v in values.items()})
+            rates = " ".join(f"{values[k]:.2f}" for k in sorted(values)
+                             if k.startswith("acceptance_rate_pos_"))
+            est = self.metrics.get("acceptance_length_est")
+            self.pbar.write(f"served[{self.stage} step {self.pos.step}]: acceptance length "
+                            f"{values['acceptance_length']:.3f} (per position {rates})"
+                            + (f"; training estimate {est:.3f}" if est is not None else ""))
+        self.acc.wait_for_everyone()
+
+    def _emit(self, data: dict[str, float]) -> None:
         if self.stage == "main":
             self.logger.log(data, step=self.pos.step)
         else:  # stages restart at step 0; W&B steps must keep increasing

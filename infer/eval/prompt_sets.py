@@ -64,16 +64,18 @@ def _first_user_turn(turns: Sequence[Any]) -> list[dict]:
     raise ValueError(f"conversation without a user turn: {list(turns)[:3]}")
 
 
-def render_prompt(prompt: Any, is_chat: bool, tokenizer: Any = None,
-                  chat: bool | None = None) -> str | list[int]:
+def render_prompt(prompt: Any, is_chat: bool, tokenizer: Any = None, chat: bool | None = None,
+                  template_kwargs: Mapping[str, Any] | None = None) -> str | list[int]:
     """The chat template with a generation prompt for chat-style prompts (``chat=None``) or all
-    (``chat=True``) when the tokenizer has one; plain text otherwise."""
+    (``chat=True``) when the tokenizer has one; plain text otherwise. ``template_kwargs``
+    (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``) reach the template."""
     if not is_chat and not isinstance(prompt, str):
         return prompt  # token ids go to the engine as they are
     want = is_chat if chat is None else chat
     if want and getattr(tokenizer, "chat_template", None):
         messages = prompt if is_chat else [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **dict(template_kwargs or {}))
     if chat:
         log.warning("chat=True but the tokenizer has no chat template; using plain text")
     return "\n\n".join(m["content"] for m in prompt) if is_chat else prompt
@@ -81,7 +83,8 @@ def render_prompt(prompt: Any, is_chat: bool, tokenizer: Any = None,
 
 def load_prompts(source: str, *, num: int | None = None, split: str = "test",
                  subset: str | None = None, tokenizer: Any = None, chat: bool | None = None,
-                 field: str | None = None) -> list[str | list[int]]:
+                 field: str | None = None, template_kwargs: Mapping[str, Any] | None = None
+                 ) -> list[str | list[int]]:
     """The first ``num`` prompts of a local .json / .jsonl file (a list of records, or an
     object holding one), a local .csv / .parquet file or dataset folder, or a Hugging Face hub
     dataset id (``split``, ``subset``), rendered by ``render_prompt``."""
@@ -95,7 +98,7 @@ def load_prompts(source: str, *, num: int | None = None, split: str = "test",
             prompt, is_chat = prompt_from_record(record, field)
         except ValueError as e:
             raise ValueError(f"{source}: record {i}: {e}") from None
-        prompts.append(render_prompt(prompt, is_chat, tokenizer, chat))
+        prompts.append(render_prompt(prompt, is_chat, tokenizer, chat, template_kwargs))
     if not prompts:
         raise ValueError(f"{source}: no prompts found")
     return prompts

@@ -8,7 +8,9 @@ pipeline (chat template, assistant-only loss masks, packing) plus their draft vo
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import pytest
@@ -65,6 +67,16 @@ class TrainData:
     dataset: datasets.Dataset  # packed rows (input_ids, loss_mask, position_ids, doc_ids)
     vocab: DraftVocab
     tokenizer: object
+
+
+def thinking_target(train_target: str, out: Path) -> Path:
+    """A copy of ``train_target`` whose chat template ends its generation prompt with
+    ``# no thinking`` when rendered with ``enable_thinking=False``."""
+    shutil.copytree(train_target, out)
+    jinja = out / "chat_template.jinja"
+    jinja.write_text(jinja.read_text() + "{% if add_generation_prompt and enable_thinking is "
+                     "defined and not enable_thinking %}# no thinking\n{% endif %}")
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from train import data as D
-from train.data_formats import assistant_char_spans, detect_format, load_source
+from train.data_formats import TRUNCATED_COLUMN, conversation_examples, detect_format, load_source
 from train.tiny import examples
 from train.tiny.corpus import train_tokenizer
 
@@ -39,6 +39,37 @@ THINK_TEMPLATE = (
     "{% if message['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3's template (tool calls left out): the think block of every answer before the last user
+# message is stripped, the answers after it keep theirs, enable_thinking=false pre-fills an empty
+# think block in the generation prompt.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n')"
+    " + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 
 CONVO = [
@@ -92,6 +123,12 @@ def think_tok():
 
 
 @pytest.fixture(scope="module")
+def qwen3_tok():
+    return bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+                         QWEN3_TEMPLATE, eos="<|im_end|>")
+
+
+@pytest.fixture(scope="module")
 def tiny_tok():
     return train_tokenizer(CORPUS, 400)
 
@@ -110,8 +147,14 @@ def masked_runs(tok, ids, mask):
     return [tok.decode(r, skip_special_tokens=False) for r in runs]
 
 
+def row_examples(tok, row, fmt="openai", max_length=512, **template_kwargs):
+    return D.Tokenize(tok, fmt, max_length, template_kwargs).examples(row)
+
+
 def example(tok, row, fmt="openai", max_length=512):
-    return D.Tokenize(tok, fmt, max_length).example(row)
+    """The row's only example."""
+    (one,) = row_examples(tok, row, fmt, max_length)
+    return one
 
 
 # ----------------------------------------------------------------------------- loss masks
@@ -120,7 +163,6 @@ def example(tok, row, fmt="openai", max_length=512):
     ("llama3_tok", "<|eot_id|>", "", ""),
     ("chatml_tok", "<|im_end|>", "", ""),
     ("tiny_tok", "<|end|>", "", ""),
-    ("think_tok", "<|im_end|>", "", "<think>\n\n</think>\n\n"),
 ])
 def test_loss_mask_exact_per_template(request, name, terminator, first, last):
     tok = request.getfixturevalue(name)
@@ -142,10 +184,13 @@ def test_llama3_bos_not_doubled(llama3_tok):
     assert ids[0] == bos and ids.count(bos) == 1  # ... and the template does too: one BOS
 
 
-def test_think_template_falls_back_to_content_anchor(think_tok):
-    full, spans = assistant_char_spans(think_tok, CONVO)
-    assert [full[s:e] for s, e in spans] == [
-        "Four ✓ é.<|im_end|>", "<think>\n\n</think>\n\n" + ANSWERS[1] + "<|im_end|>"]
+def test_template_without_prefix_property_gives_one_example_per_turn(think_tok):
+    texts = conversation_examples(think_tok, CONVO)
+    # each answer is the last turn of its own example, rendered as the model generated it
+    assert [text for text, _ in texts] == [think_tok.apply_chat_template(CONVO[:k], tokenize=False)
+                                           for k in (3, 5)]
+    assert [[t[s:e] for s, e in spans] for t, spans in texts] == [
+        ["<think>\n\n</think>\n\n" + a + "<|im_end|>"] for a in ANSWERS]
 
 
 def test_sharegpt_openai_prompt_completion_agree(chatml_tok):
@@ -359,7 +404,7 @@ def test_num_proc_matches_single_process_and_caches(chatml_tok, varied_rows, tmp
     again = D.Tokenize(bpe_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                      CHATML_TEMPLATE, eos="<|im_end|>"), "openai", 48)
     assert Hasher.hash(fn) == Hasher.hash(again)
-    assert pickle.loads(pickle.dumps(fn)).example(ROWS[0]) == fn.example(ROWS[0])
+    assert pickle.loads(pickle.dumps(fn)).examples(ROWS[0]) == fn.examples(ROWS[0])
     src = load_source(path, cache_dir=str(tmp_path / "hf"))
     t1, _ = D.tokenize_dataset(src, chatml_tok, max_length=48)
     t2, _ = D.tokenize_dataset(src, chatml_tok, max_length=48)
@@ -395,3 +440,90 @@ def test_default_dataset_from_train_files(tmp_path, tiny_tok):
     assert len(prompts) == 4 and all(any(p in t for t in held_text) for p in prompts)
     out = D.prepare_dataset(ds, tiny_tok, max_length=128, verbose=False)
     assert len(out) > 0 and sum(map(sum, out["loss_mask"])) > 0
+
+
+# ----------------------------------------------------------------------------- thinking, cuts
+
+def thinking_convo(turns=3):
+    """A conversation whose answers were generated with thinking on (think block kept)."""
+    messages = [{"role": "system", "content": "You are terse."}]
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"Question {t}: two plus {t}?"},
+                     {"role": "assistant",
+                      "content": f"<think>\nAdd {t} to two.\n</think>\n\nIt is {2 + t}."}]
+    return messages
+
+
+def test_qwen3_multi_turn_thinking_keeps_every_turn_with_its_think_block(qwen3_tok):
+    """Each answer is trained in the context serving gives it (earlier think blocks stripped)
+    and as the model generated it (its own think block and the terminator)."""
+    messages = thinking_convo(3)
+    got = row_examples(qwen3_tok, {"messages": messages})
+    assert len(got) == 3  # one example per assistant turn, none dropped
+    for t, (ids, mask, truncated) in enumerate(got):
+        turn = messages[: 2 * t + 3]
+        prompt = qwen3_tok.apply_chat_template(turn[:-1], tokenize=False,
+                                               add_generation_prompt=True)
+        text = qwen3_tok.decode(ids, skip_special_tokens=False)
+        assert text == qwen3_tok.apply_chat_template(turn, tokenize=False)
+        assert text.startswith(prompt) and "Add" not in prompt  # earlier thinking stripped
+        assert masked_runs(qwen3_tok, ids, mask) == [turn[-1]["content"] + "<|im_end|>"]
+        assert not truncated
+    stats = D.tokenize_dataset(datasets.Dataset.from_list([{"messages": messages}] * 4),
+                               qwen3_tok, max_length=512)[1]
+    assert (stats.rows, stats.examples, stats.skipped) == (4, 12, {})
+
+
+def test_enable_thinking_false_reaches_the_template(qwen3_tok):
+    """Answers of a non-thinking run: the empty think block is prompt, not a target."""
+    messages = [m if m["role"] != "assistant" else {**m, "content": f"It is {i}."}
+                for i, m in enumerate(thinking_convo(2))]
+    got = row_examples(qwen3_tok, {"messages": messages}, enable_thinking=False)
+    assert [masked_runs(qwen3_tok, ids, mask) for ids, mask, _ in got] == [
+        ["It is 2.<|im_end|>"], ["It is 4.<|im_end|>"]]
+    for ids, mask, _ in got:
+        first = mask.index(1)
+        assert qwen3_tok.decode(ids[:first], skip_special_tokens=False).endswith(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_answer_cut_inside_its_think_block_trains_as_generated(qwen3_tok):
+    """No empty think block invented before it (what Qwen3's template would render), no
+    terminator after it."""
+    messages = thinking_convo(1)
+    messages[-1] = {"role": "assistant", "content": "<think>\nAdd zero to two, then"}
+    row = {"messages": messages, TRUNCATED_COLUMN: [2]}
+    ((ids, mask, _),) = row_examples(qwen3_tok, row)
+    prompt = qwen3_tok.apply_chat_template(messages[:2], tokenize=False,
+                                           add_generation_prompt=True)
+    assert qwen3_tok.decode(ids, skip_special_tokens=False) == prompt + messages[-1]["content"]
+    assert masked_runs(qwen3_tok, ids, mask) == [messages[-1]["content"]]
+
+
+def test_truncated_middle_turn_is_context_and_its_own_example(chatml_tok):
+    """ChatML keeps the prefix property: the conversation is one example in which the cut answer
+    is context only, and the cut answer is a second example without a terminator."""
+    row = {"messages": CONVO, TRUNCATED_COLUMN: [2]}
+    (whole, cut) = row_examples(chatml_tok, row)
+    assert masked_runs(chatml_tok, whole[0], whole[1]) == [ANSWERS[1] + "<|im_end|>"]
+    assert chatml_tok.decode(whole[0]) == chatml_tok.apply_chat_template(CONVO, tokenize=False)
+    assert masked_runs(chatml_tok, cut[0], cut[1]) == [ANSWERS[0]]
+    assert chatml_tok.decode(cut[0]).endswith("<|im_start|>assistant\n" + ANSWERS[0])
+    # the last real token is a target; nothing after it is
+    assert cut[1][-1] == 1 and chatml_tok.decode(cut[0][-1:]) == ANSWERS[0][-1:]
+
+
+def test_more_than_five_percent_dropped_warns(chatml_tok, caplog):
+    good = {"messages": [{"role": "user", "content": "Hi?"},
+                         {"role": "assistant", "content": "Hello."}]}
+    bad = {"messages": [{"role": "user", "content": "Hi?"}]}
+    with caplog.at_level("WARNING", logger="train.data"):
+        D.prepare_dataset(datasets.Dataset.from_list([good] * 19 + [bad]), chatml_tok,
+                          max_length=32, verbose=False)
+    assert not caplog.records  # exactly 5 %: no warning
+    with caplog.at_level("WARNING", logger="train.data"):
+        D.prepare_dataset(datasets.Dataset.from_list([good] * 18 + [bad] * 2), chatml_tok,
+                          max_length=32, verbose=False)
+    (record,) = caplog.records
+    assert "10.0% of the 20 conversations were dropped" in record.getMessage()
+    assert "without assistant turn (2)" in record.getMessage()

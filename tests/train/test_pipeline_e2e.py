@@ -41,12 +41,15 @@ def greedy_lossless(target, spec, prompts):
 @pytest.mark.parametrize("recipe,extra", [
     ("tiny_eagle3", ["objective.ttt_steps=2"]),
     ("tiny_eagle3", ["objective.ttt_steps=2", "features.mode=offline",
-                     "features.dtype=float32", "features.rows_per_shard=4"]),
+                     "features.dtype=float32", "features.rows_per_shard=4",
+                     "eval.every_steps=2"]),
     ("tiny_eagle", ["objective.ttt_steps=1"]),
 ])
-def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, extra):
+def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, extra, capsys):
     cfg = make_cfg(tmp_path, train_target, chat_file, f"recipe={recipe}", *extra)
     final = run(cfg).final_dir
+    served = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("served[")]
     assert final == tmp_path / recipe / "final"
     config = json.loads((final / "config.json").read_text())
     report = json.loads((tmp_path / recipe / "eval" / "results.json").read_text())
@@ -56,6 +59,14 @@ def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, ext
     assert {r["draft_sample_method"] for r in report["results"] if r["method"] == recipe
             and r["temperature"] > 0} == {"probabilistic"}  # sampled rows: sampled drafts
     assert report["lossless"] is True
+    if "eval.every_steps=2" in extra:  # served acceptance at steps 2 and 4; the last one is
+        assert [line.split(":")[0] for line in served] == [  # the final report's measurement
+            "served[main step 2]", "served[main step 4]"]
+        final_al = next(r["acceptance_length"] for r in report["results"]
+                        if r["method"] == recipe and r["temperature"] == 0.0)
+        assert f"acceptance length {final_al:.3f}" in served[-1], (served, final_al)
+    else:
+        assert not served
     method = "eagle3" if recipe == "tiny_eagle3" else "eagle"
     if method == "eagle3":
         assert config["speculators_model_type"] == "eagle3"

@@ -13,7 +13,7 @@ from train.config import RegenerateConfig
 from train.data import prepare_dataset
 from train.regenerate import Regenerator, regenerate
 
-from .conftest import chat_rows
+from .conftest import chat_rows, thinking_target
 
 CFG = RegenerateConfig(enabled=True, temperature=0.0, max_tokens=8, batch_size=2)
 
@@ -37,8 +37,9 @@ def rendered(tok, history):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def reference(target, prompts, max_tokens=8):
-    """What the engine answers, called directly (greedy), stop token removed by hand."""
+def reference_cut(target, prompts, max_tokens=8):
+    """What the engine answers, called directly (greedy), stop token removed by hand, and
+    whether each answer was cut by max_tokens."""
     tok = AutoTokenizer.from_pretrained(target)
     end = tok.convert_tokens_to_ids("<|end|>")
     outs = LLM(target, device="cpu").generate(prompts, SamplingParams(temperature=0.0,
@@ -46,8 +47,17 @@ def reference(target, prompts, max_tokens=8):
     answers = []
     for out in outs:
         ids = out.token_ids[:-1] if out.token_ids[-1:] == [end] else out.token_ids
-        answers.append(tok.decode(ids, skip_special_tokens=False))
+        answers.append((tok.decode(ids, skip_special_tokens=False), ids == out.token_ids))
     return answers
+
+
+def reference(target, prompts, max_tokens=8):
+    return [answer for answer, _ in reference_cut(target, prompts, max_tokens)]
+
+
+def trained_text(answer: str, cut: bool) -> str:
+    """The loss tokens of an answer: a cut answer gets no terminator."""
+    return answer if cut else answer + "<|end|>"
 
 
 def test_chat_answers_are_the_engines_and_prompts_unchanged(tmp_path, train_target, calls):
@@ -57,10 +67,13 @@ def test_chat_answers_are_the_engines_and_prompts_unchanged(tmp_path, train_targ
     tok = AutoTokenizer.from_pretrained(train_target)
     prompts = [rendered(tok, r["messages"][:1]) for r in rows]
     assert [p for call in calls for p in call] == prompts  # one turn each, batched in one call
-    assert out.column_names == ["messages", "id"] and len(out) == 5
-    for row, new, want in zip(rows, out, reference(train_target, prompts)):
+    assert out.column_names == ["messages", "id", "truncated_turns"] and len(out) == 5
+    answers = reference_cut(train_target, prompts)
+    assert any(cut for _, cut in answers)
+    for row, new, (want, cut) in zip(rows, out, answers):
         assert new["id"] == row["id"] and new["messages"][0] == row["messages"][0]
         assert new["messages"][1] == {"role": "assistant", "content": want}
+        assert new["truncated_turns"] == ([1] if cut else [])
         assert want != row["messages"][1]["content"]
     assert out.to_list() == datasets.load_from_disk(str(tmp_path / "dataset")).to_list()
 
@@ -71,13 +84,15 @@ def test_prompt_completion_rows_string_and_conversational(tmp_path, train_target
             {"prompt": "def add(a, b):", "completion": "return a + b"}]
     out = regenerate(datasets.Dataset.from_list(rows), train_target, CFG, tmp_path / "s",
                      device="cpu", progress=False)
-    want = reference(train_target, [rendered(tok, [{"role": "user", "content": r["prompt"]}])
-                                    for r in rows])
-    assert out.to_list() == [{"prompt": r["prompt"], "completion": w} for r, w in zip(rows, want)]
+    want = reference_cut(train_target, [rendered(tok, [{"role": "user", "content": r["prompt"]}])
+                                        for r in rows])
+    assert out.to_list() == [{"prompt": r["prompt"], "completion": w,
+                              "truncated_turns": [1] if cut else []}
+                             for r, (w, cut) in zip(rows, want)]
     packed = prepare_dataset(out, tok, max_length=128, pack=False, shuffle=False, verbose=False)
-    for row, w in zip(packed, want):  # trains as the pipeline trains prompt/completion rows
+    for row, (w, cut) in zip(packed, want):  # trains as the pipeline trains prompt/completion
         assert tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]) == (
-            w + "<|end|>")
+            trained_text(w, cut))
     trl = [{"prompt": [{"role": "user", "content": "for i in range(3):"}],
             "completion": [{"role": "assistant", "content": "print(i)"}]}]
     out = regenerate(datasets.Dataset.from_list(trl), train_target, CFG, tmp_path / "t",
@@ -181,14 +196,15 @@ def test_output_feeds_prepare_dataset_with_assistant_only_masks(tmp_path, train_
     rows = chat_rows(3) + [{"messages": [{"role": "user", "content": "no answer"}]}]
     out = regenerate(datasets.Dataset.from_list(rows), train_target, CFG, tmp_path,
                      device="cpu", progress=False)
-    assert out[3] == rows[3]  # unusable rows are kept unchanged (the pipeline skips them)
+    assert out[3] == {**rows[3], "truncated_turns": []}  # unusable rows kept unchanged
     tok = AutoTokenizer.from_pretrained(train_target)
     packed = prepare_dataset(str(tmp_path / "dataset"), tok, max_length=128, pack=False,
                              shuffle=False, verbose=False)
     assert len(packed) == 3
     for row, src in zip(packed, out):
         masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
-        assert tok.decode(masked) == src["messages"][1]["content"] + "<|end|>"
+        assert tok.decode(masked) == trained_text(src["messages"][1]["content"],
+                                                  src["truncated_turns"] == [1])
 
 
 def test_too_long_prompts_keep_their_answers_and_are_counted(tmp_path, train_target, capsys):
@@ -203,6 +219,24 @@ def test_too_long_prompts_keep_their_answers_and_are_counted(tmp_path, train_tar
                           {"role": "assistant", "content": "pass"}]}
     out = regenerate(datasets.Dataset.from_list([long, short]), train_target, cfg, tmp_path,
                      device="cpu", progress=False)
-    assert out[0] == long and out[1]["messages"][1]["content"] != "pass"
+    assert out[0] == {**long, "truncated_turns": []}
+    assert out[1]["messages"][1]["content"] != "pass"
     line = capsys.readouterr().out
     assert re.search(r"regenerate: 1 answers .* [01] hit max_tokens=8, 2 kept", line), line
+
+
+def test_template_kwargs_reach_the_prompts_and_the_fingerprint(tmp_path, train_target, calls):
+    """enable_thinking=false renders the generation prompt the template gives for it, and a
+    rerun into the same folder with another value is refused."""
+    target = thinking_target(train_target, tmp_path / "target")
+    rows = chat_rows(2, seed=3)
+    regenerate(datasets.Dataset.from_list(rows), str(target), CFG, tmp_path / "run",
+               device="cpu", progress=False, template_kwargs={"enable_thinking": False})
+    tok = AutoTokenizer.from_pretrained(target)
+    for prompt, row in zip(calls[0], rows):
+        text = tok.decode(prompt)
+        assert text.endswith("# no thinking\n") and text.startswith(
+            tok.decode(rendered(tok, row["messages"][:1])))
+    with pytest.raises(ValueError, match="template_kwargs"):
+        regenerate(datasets.Dataset.from_list(rows), str(target), CFG, tmp_path / "run",
+                   device="cpu", progress=False, template_kwargs={"enable_thinking": True})

@@ -354,3 +354,24 @@ def test_leftovers_of_killed_checkpoint_writes_are_removed(tmp_path):
         (root / name).mkdir(parents=True)
     remove_temporaries(root)
     assert [p.name for p in root.iterdir()] == ["step_00000002"]
+
+
+def test_a_stage_can_start_from_the_previous_stages_optimizer_moments(tmp_path):
+    """AdamW's per-parameter step count and moments continue into the next stage (IBM's MLP
+    speculator stage 2), at the new stage's own learning rate."""
+    rows = synthetic_rows(8)
+    first_cfg = make_cfg(tmp_path / "a", max_steps=3)
+    objective, first = run(first_cfg, rows, keep_optimizer_state=True)
+    steps = {int(s["step"]) for s in first.optimizer_state["state"].values()}
+    assert steps == {3}
+    second_cfg = make_cfg(tmp_path / "b", max_steps=2, lr=1e-3, schedule="constant")
+    carried = train(second_cfg, objective, FeatureSource(rows, lambda b: b), pad_id=0,
+                    run_dir=second_cfg.run_dir, logger=RecordingLogger(), stage="stage2",
+                    optimizer_state=first.optimizer_state, keep_optimizer_state=True)
+    assert {int(s["step"]) for s in carried.optimizer_state["state"].values()} == {5}
+    assert {g["lr"] for g in carried.optimizer_state["param_groups"]} == {1e-3}  # not 3e-2
+    fresh = train(second_cfg, objective, FeatureSource(rows, lambda b: b), pad_id=0,
+                  run_dir=tmp_path / "c", logger=RecordingLogger(), stage="stage2",
+                  keep_optimizer_state=True)
+    assert {int(s["step"]) for s in fresh.optimizer_state["state"].values()} == {2}
+    assert run(make_cfg(tmp_path / "d", max_steps=1), rows)[1].optimizer_state is None

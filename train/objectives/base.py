@@ -54,11 +54,14 @@ class StageData(StrChoice):
 class Stage:
     """One training stage of an objective: ``name`` names its checkpoint folder, log prefix and
     data folder ("main" is the plain run); ``data`` says which rows it trains on; ``trainer``
-    overrides ``TrainerConfig`` fields for this stage (e.g. its own step budget)."""
+    overrides ``TrainerConfig`` fields for this stage (e.g. its own step budget); with
+    ``carry_optimizer`` the stage starts from the previous stage's optimizer moments where the
+    trainer holds them (not under DeepSpeed / FSDP)."""
 
     name: str = "main"
     data: StageData = StageData.dataset
     trainer: Mapping[str, Any] = field(default_factory=dict)
+    carry_optimizer: bool = False  # start from the previous stage's optimizer moments
 
 
 @dataclass

@@ -7,11 +7,19 @@ target's logits at ``t + 1 + s`` restricted to the same ids (``lm_head.weight[ta
 ``[Vd, H]``: only the rows needed, never the full ``[B, T, vocab]``) and renormalised: the head
 can only ever propose draft-vocabulary tokens, so it learns the target's preference among them.
 
+Accuracy metrics compare the head's proposal (mapped to target ids) with the target's argmax
+over the *full* vocabulary, the token a greedy verifier emits: a position whose target token lies
+outside the draft vocabulary can never be accepted and counts as wrong; ``oov_rate`` logs how
+often that happens (the ceiling the draft vocabulary sets).
+
 Settings: ``drafter.aux_layer_ids`` (None: ``default_aux_layer_ids(n)``), ``intermediate_size``,
-``norm_before_residual``, ``norm_output``, ``fc_norm``, ``embed_requires_grad`` (own embedding,
-initialised as a copy of the target's and shipped; otherwise the target's is shared, frozen and
-not saved), ``init_from`` (an exported checkpoint to start from); ``objective.ttt_steps``,
-``step_weight``, ``feature_noise``. ``export`` writes the speculators checkpoint vLLM loads.
+``norm_before_residual``, ``norm_output``, ``fc_norm``, ``norm_before_fc``,
+``embed_requires_grad`` (own embedding, initialised as a copy of the target's and shipped;
+otherwise the target's is shared, frozen and not saved), ``lm_head_init`` (``target_rows``: the
+LM head starts as the target's rows of the draft vocabulary, as speculators does, which reads
+the same normed state a target head does), ``init_from`` (an exported checkpoint to start
+from); ``objective.ttt_steps``, ``step_weight``, ``feature_noise``. ``export`` writes the
+speculators checkpoint vLLM loads.
 """
 
 from __future__ import annotations
@@ -79,10 +87,13 @@ class Eagle3Objective(TTTObjective):
             intermediate_size=d.intermediate_size,
             verifier_name_or_path=cfg.target.path or self.target_dir,  # hub id when given
             norm_before_residual=bool(d.norm_before_residual), norm_output=bool(d.norm_output),
-            fc_norm=bool(d.fc_norm), embed_requires_grad=bool(d.embed_requires_grad),
+            fc_norm=bool(d.fc_norm), norm_before_fc=bool(d.norm_before_fc),
+            embed_requires_grad=bool(d.embed_requires_grad),
             speculative_tokens=min(self.ttt_steps, DEFAULT_SPECULATIVE_TOKENS))
         self.drafter = Eagle3Drafter(config)
         self.drafter.set_vocab(vocab.target_ids())
+        if str(d.lm_head_init) == "target_rows":
+            init_lm_head(self.drafter, heads.lm_head, vocab.target_ids())
         if self.drafter.embed_tokens is not None:  # trained: start from the target's
             with torch.no_grad():
                 self.drafter.embed_tokens.weight.copy_(heads.embed_tokens.weight)
@@ -114,12 +125,16 @@ class Eagle3Objective(TTTObjective):
         bias = head.bias[rows] if head.bias is not None else None
         hidden = batch["hidden"].to(weight.dtype)  # [B, T, H]
         logits = F.linear(hidden, weight, bias).float()  # [B, T, Vd]
-        return {"logp": F.log_softmax(logits, dim=-1)}
+        argmax = full_vocab_argmax(hidden, head)  # [B, T] target ids
+        return {"logp": F.log_softmax(logits, dim=-1), "argmax": argmax,
+                "oov": ~self.drafter.t2d.to(argmax.device)[argmax]}  # [B, T] bool
 
     def step_loss(self, step, logits, hidden, targets):
         target = targets["logp"][:, 1 + step:]  # [B, n, Vd]: the target at t + 1 + step
         kl = forward_kl(logits, target)  # [B, n]
-        return kl, logits.argmax(-1) == target.argmax(-1), {}
+        proposed = self.drafter.to_target_ids(logits.argmax(-1))  # [B, n] target ids
+        correct = proposed == targets["argmax"][:, 1 + step:]
+        return kl, correct, {"oov_rate": targets["oov"][:, 1 + step:].float()}
 
     # ---- export ------------------------------------------------------------------------------
 
@@ -128,6 +143,33 @@ class Eagle3Objective(TTTObjective):
         state = self.drafter_state(state_dict)
         check_names(path, set(self.drafter.state_dict()), set(state))
         return write_checkpoint(path, self.drafter.config.to_dict(), state)
+
+
+def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = 256) -> Tensor:
+    """The target's greedy token at every position: ``[B, T, H]`` -> ``[B, T]`` target ids.
+
+    Chunked over positions so that no ``[B, T, vocab]`` tensor exists at once (8B targets:
+    a 128k vocabulary times a 2k-token row would be 1 GB per row in fp32).
+    """
+    out = torch.empty(hidden.shape[:-1], dtype=torch.long, device=hidden.device)  # [B, T]
+    for start in range(0, hidden.shape[1], chunk):
+        part = F.linear(hidden[:, start:start + chunk], head.weight, head.bias)  # [B, c, V]
+        out[:, start:start + chunk] = part.argmax(-1)
+    return out
+
+
+def init_lm_head(drafter: Eagle3Drafter, head: torch.nn.Linear, target_ids: Tensor) -> None:
+    """``drafter.lm_head`` := the target's LM head rows of the draft vocabulary
+    (``drafter.lm_head_init=target_rows``): the head starts out proposing what the target
+    would from the same normed state, and training refines it."""
+    weight = drafter.lm_head.weight  # [Vd, H]
+    rows = head.weight[target_ids.to(head.weight.device)]  # [Vd, H_target]
+    if rows.shape != weight.shape:
+        raise config_error("drafter.lm_head_init", "target_rows", f"random: the target's LM head "
+                           f"rows have shape {tuple(rows.shape)}, the draft head "
+                           f"{tuple(weight.shape)}", _WHERE)
+    with torch.no_grad():
+        weight.copy_(rows.to(weight.dtype))
 
 
 def load_init(drafter: Eagle3Drafter, init: Eagle3Drafter, path: str) -> None:

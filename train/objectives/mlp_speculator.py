@@ -29,10 +29,12 @@ from torch import Tensor, nn
 
 from infer.drafters.common import write_checkpoint
 from infer.drafters.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorLayerNorm
-from infer.validation import config_error
+from infer.validation import check_float, check_int, config_error
 from train.objectives.base import (OBJECTIVES, FeatureSpec, LossOutput, Objective, Stage,
                                    StageData)
 from train.objectives.losses import forward_kl, masked_mean
+
+_WHERE = "train config"
 
 
 def shifted_targets(input_ids: Tensor, loss_mask: Tensor, doc_ids: Tensor, n: int
@@ -88,7 +90,7 @@ class MLPSpeculatorObjective(Objective):
         self.kd_weight = float(cfg.objective.kd_weight)
         if self.kd_weight < 0:
             raise config_error("objective.kd_weight", cfg.objective.kd_weight, "a number >= 0",
-                               "train config")
+                               _WHERE)
         if d.init_from:
             self._init_from(d.init_from)
 
@@ -101,20 +103,36 @@ class MLPSpeculatorObjective(Objective):
             if getattr(want, key) != getattr(got, key):
                 raise config_error("drafter.init_from", path, f"an mlp_speculator checkpoint with "
                                    f"{key}={getattr(want, key)!r} (the configured drafter); it "
-                                   f"has {key}={getattr(got, key)!r}", "train config")
+                                   f"has {key}={getattr(got, key)!r}", _WHERE)
         self.drafter.load_state_dict(loaded.state_dict())
 
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(hidden=True)
 
     def stages(self) -> list[Stage]:
-        """IBM's recipe: stage 1 on the dataset; with ``objective.stage2_steps``, stage 2 on
-        the same prompts answered by the target itself, for that many steps, no warmup."""
-        steps = self.cfg.objective.stage2_steps
+        """IBM's recipe (fms-fsdp): stage 1 on the dataset; with ``objective.stage2_steps``,
+        stage 2 on the same prompts answered by the target itself, continuing stage 1's
+        optimizer (its moments) at ``stage2_lr_factor`` of the peak lr after a warmup of
+        ``stage2_warmup_steps`` (None: min(2000, steps // 20)), cosine-annealed to
+        ``stage2_min_lr_ratio`` of that peak: restarting at full lr with fresh moments and no
+        warmup risks a loss spike on the shifted data."""
+        o = self.cfg.objective
+        steps = o.stage2_steps
         if steps <= 0:
             return [Stage()]
-        return [Stage(), Stage("stage2", StageData.target_answers,
-                               {"max_steps": steps, "warmup_steps": 0, "warmup_ratio": 0.0})]
+        check_float("objective.stage2_lr_factor", o.stage2_lr_factor, _WHERE, low=0.0,
+                    low_open=True)
+        check_float("objective.stage2_min_lr_ratio", o.stage2_min_lr_ratio, _WHERE, low=0.0,
+                    high=1.0)
+        check_int("objective.stage2_warmup_steps", o.stage2_warmup_steps, _WHERE, minimum=0,
+                  optional=True)
+        warmup = (min(2000, steps // 20) if o.stage2_warmup_steps is None
+                  else o.stage2_warmup_steps)
+        trainer = {"max_steps": steps, "lr": self.cfg.trainer.lr * o.stage2_lr_factor,
+                   "warmup_steps": warmup, "warmup_ratio": 0.0, "schedule": "cosine",
+                   "min_lr_ratio": o.stage2_min_lr_ratio}
+        return [Stage(), Stage("stage2", StageData.target_answers, trainer,
+                               carry_optimizer=True)]
 
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:
         ids = batch["input_ids"]  # [B, T]

@@ -298,3 +298,39 @@ def test_served_greedy_output_identical(trained, train_data, tmp_path):
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert llm.get_metrics()["num_drafts"] > 0
+
+
+# ---- trainer quality: full-vocab accuracy, LM head init, keys -----------------------------------
+
+def test_accuracy_is_against_the_full_vocabulary_argmax(env, train_data):
+    """A head proposing the target's best draft-vocabulary token is still wrong wherever the
+    target's greedy token lies outside the draft vocabulary; that rate is logged."""
+    obj = build("eagle3", env, train_data)
+    batch = env[2][0]
+    with torch.no_grad():
+        targets = obj.targets(batch)
+    greedy = env[1].lm_head(batch["hidden"]).argmax(-1)  # [B, T] over the full vocabulary
+    assert torch.equal(targets["argmax"], greedy)
+    oov = ~train_data.vocab.t2d[greedy]  # [B, T]
+    assert 0 < oov.float().mean() < 1
+    best_in_vocab = targets["logp"][:, 1:]  # [B, T - 1, Vd]: a perfect draft-vocab proposal
+    _, correct, extras = obj.step_loss(0, best_in_vocab, None, targets)
+    assert torch.equal(correct, ~oov[:, 1:])
+    assert torch.equal(extras["oov_rate"], oov[:, 1:].float())
+    metrics = obj(batch).metrics
+    valid = step_valid(batch["loss_mask"], batch["doc_ids"], 0)
+    want = oov[:, 1:][valid[:, :-1]].float().mean()
+    assert torch.allclose(metrics["oov_rate/step_0"], want)
+
+
+def test_lm_head_starts_from_the_target_rows(env, train_data):
+    rows = env[1].lm_head.weight[train_data.vocab.target_ids()]  # [Vd, H]
+    assert torch.equal(build("eagle3", env, train_data).drafter.lm_head.weight, rows)
+    random = build("eagle3", env, train_data, lm_head_init="random").drafter.lm_head.weight
+    assert not torch.allclose(random, rows)
+
+
+def test_norm_before_fc_is_a_drafter_key(env, train_data):
+    obj = build("eagle3", env, train_data, norm_before_fc=True)
+    assert obj.drafter.config.norm_before_fc and obj.drafter.input_norm is not None
+    assert build("eagle3", env, train_data).drafter.input_norm is None

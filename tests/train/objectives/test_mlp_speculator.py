@@ -180,6 +180,15 @@ def test_stages_are_data(train_target, target, train_data):
     obj = make(train_target, target, train_data.vocab)
     assert obj.stages() == [Stage()]
     obj.cfg.objective.stage2_steps = 7
+    obj.cfg.trainer.lr = 2e-3
     two = obj.stages()
-    assert two == [Stage(), Stage("stage2", StageData.target_answers,
-                                  {"max_steps": 7, "warmup_steps": 0, "warmup_ratio": 0.0})]
+    ibm = {"max_steps": 7, "lr": 2e-4, "warmup_steps": 0, "warmup_ratio": 0.0,
+           "schedule": "cosine", "min_lr_ratio": 0.1}  # 7 // 20: no warmup step
+    assert two == [Stage(), Stage("stage2", StageData.target_answers, ibm, carry_optimizer=True)]
+    obj.cfg.objective.stage2_steps = 50_000
+    assert obj.stages()[1].trainer["warmup_steps"] == 2000  # min(2000, 5 %)
+    obj.cfg.objective.stage2_steps = 400
+    assert obj.stages()[1].trainer["warmup_steps"] == 20
+    obj.cfg.objective.stage2_lr_factor = 0.0
+    with pytest.raises(ValueError, match="stage2_lr_factor"):
+        obj.stages()
