@@ -68,6 +68,9 @@ def run(cfg: TrainConfig) -> RunResult:
     target = FrozenTarget(prepared.target_dir, cfg.target.dtype, state.device)
     objective = OBJECTIVES.get(cfg.drafter.method)(cfg, target.heads, prepared.vocab,
                                                    prepared.target_dir)
+    notes = objective.serving_notes()
+    if notes and state.is_main_process:
+        print(notes, flush=True)
     logger = _make_logger(cfg, state)
     served = ServedEval.from_config(cfg, objective, target)  # every rank joins its gather
     try:

@@ -17,9 +17,11 @@ so any consistent offset (speculators trains from 1) gives the same attention.
 
 Aux layer ids: id ``k`` is the target's residual stream after ``k`` layers (0 = embeddings, N =
 last layer before the final norm); the states are concatenated in *sorted* id order, whatever
-order the config lists them in (vLLM collects them while walking the layers). vLLM 0.32 can only
-capture ids in ``[1, N - 1]`` and builds ``fc`` for exactly three of them; this engine accepts
-any ids in ``[0, N]``. ``default_aux_layer_ids`` picks portable ones.
+order the config lists them in (vLLM collects them while walking the layers). vLLM captures ids
+0 and N only from 0.18 and sizes a Llama drafter's ``fc`` for other than three states only from
+0.22, through ``num_aux_hidden_states`` (written into ``transformer_layer_config`` when needed);
+this engine accepts any ids in ``[0, N]``. ``default_aux_layer_ids`` picks ones every vLLM with
+custom ids (0.11.1+) serves; ``train/export.py`` lists the version each choice needs.
 
 Checkpoint: ``config.json`` with the speculators keys (:class:`Eagle3Config`) and
 ``model.safetensors`` with ``fc.weight``, ``layers.0.*`` (``q/k/v`` take ``2H``,
@@ -56,17 +58,18 @@ _IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     """speculators' ``[2, n // 2, n - 3]``, made valid for small targets.
 
-    Ids are kept in ``[1, n - 1]`` (the range vLLM can capture) and must be three distinct ones
-    (vLLM's ``fc`` takes exactly ``3 * H_target``): out-of-range ids are clamped, and collisions
-    are replaced by the free id farthest from those already chosen (ties: the lower id). So
-    n = 32 -> [2, 16, 29], n = 4 -> [1, 2, 3], n = 6 -> [2, 3, 5]. Needs n >= 4.
+    Ids are kept in ``[1, n - 1]`` (the range every vLLM captures) and must be three distinct
+    ones (older vLLM's ``fc`` takes exactly ``3 * H_target``): out-of-range ids are clamped,
+    and collisions are replaced by the free id farthest from those already chosen (ties: the
+    lower id). So n = 32 -> [2, 16, 29], n = 4 -> [1, 2, 3], n = 6 -> [2, 3, 5]. Needs n >= 4.
     """
     n = num_target_layers
     if isinstance(n, bool) or not isinstance(n, int) or n < 4:
         raise config_error("num_target_layers", n, "an integer >= 4: EAGLE-3 needs three distinct "
                            "aux layers in [1, n - 1]; for a smaller target pass "
                            "eagle_aux_hidden_state_layer_ids explicitly (this engine accepts "
-                           "ids in [0, n], vLLM only [1, n - 1])", "default_aux_layer_ids")
+                           "ids in [0, n], vLLM < 0.18 only [1, n - 1])",
+                           "default_aux_layer_ids")
     chosen = sorted({min(max(k, 1), n - 1) for k in (2, n // 2, n - 3)})
     while len(chosen) < 3:
         free = [k for k in range(1, n) if k not in chosen]
@@ -152,7 +155,7 @@ class Eagle3Config:
             "fc_norm": self.fc_norm,
             "embed_requires_grad": self.embed_requires_grad,
             "tie_word_embeddings": False,
-            "transformer_layer_config": dict(self.transformer_layer_config),
+            "transformer_layer_config": self._layer_dict(),
             "speculators_config": {
                 "algorithm": "eagle3",
                 "default_proposal_method": "greedy",
@@ -164,6 +167,15 @@ class Eagle3Config:
             },
             "speculators_version": self.speculators_version,
         }
+
+    def _layer_dict(self) -> dict:
+        """``transformer_layer_config``, with ``num_aux_hidden_states`` when there are not
+        three aux states: vLLM's Llama EAGLE-3 drafter (<= 0.32 at least) sizes ``fc`` from
+        that key, not from the id list, and assumes three without it."""
+        layer = dict(self.transformer_layer_config)
+        if self.num_aux != 3:
+            layer["num_aux_hidden_states"] = self.num_aux
+        return layer
 
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":

@@ -100,3 +100,51 @@ def test_heads_sglang_would_run_differently_are_refused(env, train_data, tmp_pat
     with pytest.raises(ValueError, match=f"export_sglang.*{key!r}"):
         export_sglang(spec_dir, tmp_path / "sglang")
     assert not (tmp_path / "sglang").exists()
+
+
+# ---- vLLM versions ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, version, feature", [
+    ({"norm_before_fc": True}, "0.19.0", "norm_before_fc=true"),
+    ({"fc_norm": True}, "0.25.0", "fc_norm=true"),
+    ({"norm_output": True, "norm_before_fc": True}, "0.25.0", "norm_output=true"),
+    ({"embed_requires_grad": True}, "0.11.1",
+     "embed_requires_grad=true (embed_tokens.weight shipped)"),
+    ({"aux_layer_ids": [1, 2, 4]}, "0.18.0", "aux id 0 (embeddings) or n (last layer)"),
+    ({"aux_layer_ids": [1, 3]}, "0.22.0", "2 aux states (num_aux_hidden_states)"),
+])
+def test_vllm_requirements_name_the_feature_and_version(env, train_data, override, version,
+                                                        feature):
+    from train.export import vllm_report
+
+    obj = build("eagle3", env, train_data, **override)
+    report = obj.serving_notes()
+    assert report == vllm_report(obj.drafter.config, 4)
+    head, *lines = report.splitlines()
+    assert head == f"vLLM: this EAGLE-3 head needs vLLM >= {version}"
+    assert any(line.strip().startswith(f"{feature}: needs vLLM >= {version}; older vLLM ")
+               for line in lines), report
+
+
+def test_default_head_needs_only_speculators_support(env, train_data, tmp_path, capsys):
+    from train.export import main
+
+    obj = build("eagle3", env, train_data)  # the 4-layer target's default ids [1, 2, 3]
+    assert obj.serving_notes() == "vLLM: this EAGLE-3 head needs vLLM >= 0.10.1"
+    main(["--vllm", str(obj.export(tmp_path / "head"))])  # no target layer count: ids explicit
+    assert capsys.readouterr().out.splitlines() == [
+        "vLLM: this EAGLE-3 head needs vLLM >= 0.11.1",
+        "  eagle_aux_hidden_state_layer_ids=[1, 2, 3]: needs vLLM >= 0.11.1; older vLLM "
+        "captures its default layers [2, n // 2, n - 3]"]
+
+
+def test_two_aux_states_tell_vllm_their_count(env, train_data, tmp_path):
+    """vLLM's Llama EAGLE-3 drafter sizes fc from num_aux_hidden_states, not from the ids."""
+    two = json.loads((build("eagle3", env, train_data, aux_layer_ids=[1, 3]).export(
+        tmp_path / "two") / "config.json").read_text())
+    assert two["transformer_layer_config"]["num_aux_hidden_states"] == 2
+    three = json.loads((build("eagle3", env, train_data).export(
+        tmp_path / "three") / "config.json").read_text())
+    assert "num_aux_hidden_states" not in three["transformer_layer_config"]
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "two")
+    assert loaded.fc.in_features == 2 * loaded.config.target_hidden

@@ -48,8 +48,8 @@ def greedy_lossless(target, spec, prompts):
 def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, extra, capsys):
     cfg = make_cfg(tmp_path, train_target, chat_file, f"recipe={recipe}", *extra)
     final = run(cfg).final_dir
-    served = [line for line in capsys.readouterr().out.splitlines()
-              if line.startswith("served[")]
+    out = capsys.readouterr().out.splitlines()
+    served = [line for line in out if line.startswith("served[")]
     assert final == tmp_path / recipe / "final"
     config = json.loads((final / "config.json").read_text())
     report = json.loads((tmp_path / recipe / "eval" / "results.json").read_text())
@@ -70,6 +70,7 @@ def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, ext
     method = "eagle3" if recipe == "tiny_eagle3" else "eagle"
     if method == "eagle3":
         assert config["speculators_model_type"] == "eagle3"
+        assert "vLLM: this EAGLE-3 head needs vLLM >= 0.10.1" in out  # said before training
     assert greedy_lossless(train_target, {"method": method, "model": str(final),
                                           "num_speculative_tokens": 3}, [[5, 6, 7, 8]])
 

@@ -132,6 +132,11 @@ class Objective(nn.Module, ABC):
     def speculative_config(self, path: str | Path, k: int) -> dict:
         return {**self.served_config(path), "num_speculative_tokens": k}
 
+    def serving_notes(self) -> str | None:
+        """What deploying this drafter asks of the servers (EAGLE-3: the vLLM versions that
+        serve its features as trained); printed before training starts."""
+        return None
+
     def drafter_state(self, state_dict: dict[str, Tensor] | None) -> dict[str, Tensor]:
         """``drafter.*`` entries of an objective state dict, prefix removed."""
         if state_dict is None:

@@ -44,8 +44,9 @@ DEFAULT_SPECULATIVE_TOKENS = 3  # vLLM's usual chain length; never more than the
 def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[int]:
     """Sorted aux layer ids for an ``num_layers``-layer target (``drafter.aux_layer_ids``).
 
-    Ids are residual streams after ``k`` layers: distinct, in ``[0, n]`` (vLLM captures only
-    ``[1, n - 1]`` and exactly three; the default picks such ids). ``init_ids``: the ids of the
+    Ids are residual streams after ``k`` layers: distinct, in ``[0, n]`` (vLLM serves ids 0 and
+    n from 0.18 and other than three ids from 0.22; the default picks three in ``[1, n - 1]``,
+    which every vLLM with custom ids serves). ``init_ids``: the ids of the
     ``drafter.init_from`` checkpoint, used when none are configured, else they must agree.
     """
     key, n = "drafter.aux_layer_ids", num_layers
@@ -64,7 +65,7 @@ def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[in
             or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n for k in ids)):
         raise config_error(key, ids, f"a non-empty list of distinct layer ids in [0, {n}] for "
                            f"this {n}-layer target (id k = residual stream after k layers; "
-                           f"vLLM needs three in [1, {n - 1}])", _WHERE)
+                           f"vLLM < 0.22 needs three in [1, {n - 1}])", _WHERE)
     if init_ids is not None and sorted(init_ids) != sorted(ids):
         raise config_error(key, ids, f"the ids of the drafter.init_from checkpoint "
                            f"({sorted(init_ids)}) or null", _WHERE)
@@ -104,6 +105,11 @@ class Eagle3Objective(TTTObjective):
 
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True)
+
+    def serving_notes(self) -> str:
+        from train.export import vllm_report
+
+        return vllm_report(self.drafter.config, self.heads.config.num_layers)
 
     # ---- TTT hooks ---------------------------------------------------------------------------
 
