@@ -82,7 +82,8 @@ def _target_digest(target_dir: str) -> str:
 def inputs_fingerprint(dataset: datasets.Dataset, target_dir: str, cfg, fmt: str, seed: int,
                        chunk_size: int, template_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Everything that changes the regenerated rows (a resumed run must match all of it)."""
-    return {"version": _VERSION, "template_kwargs": dict(sorted(template_kwargs.items())), "target_dir": str(Path(target_dir).resolve()),
+    return {"version": _VERSION, "template_kwargs": dict(sorted(template_kwargs.items())),
+            "target_dir": str(Path(target_dir).resolve()),
             "target_files": _target_digest(target_dir), "temperature": float(cfg.temperature),
             "top_p": float(cfg.top_p), "max_tokens": int(cfg.max_tokens),
             "max_model_len": cfg.max_model_len, "format": fmt, "seed": seed,
@@ -340,8 +341,9 @@ def _generate_chunks(dataset, gen: Regenerator, out_dir: Path, fmt: str, seed: i
         every.add(Counts(**c))
     print(f"{_WHERE}: {every.answers} answers ({run.answers} this run, {run.tokens} tokens, "
           f"{run.tokens / max(seconds, 1e-9):.0f} tok/s), {every.truncated} hit "
-          f"max_tokens={gen.params.max_tokens}, {every.kept} kept (prompt longer than max_model_len or "
-          f"rejected by the template), {every.rows_skipped} rows unusable -> {out_dir}", flush=True)
+          f"max_tokens={gen.params.max_tokens}, {every.kept} kept (prompt longer than "
+          f"max_model_len or rejected by the template), {every.rows_skipped} rows unusable -> "
+          f"{out_dir}", flush=True)
 
 
 def _combine(out_dir: Path, n_chunks: int, features: datasets.Features) -> datasets.Dataset:

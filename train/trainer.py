@@ -176,7 +176,8 @@ class _Position:
 def train(cfg, objective, source: FeatureSource, *, pad_id: int, run_dir: Path, logger: Logger,
           stage: str = "main", gather_state: bool = False, accelerator=None,
           optimizer_state: dict | None = None, keep_optimizer_state: bool = False,
-          served: ServedEval | None = None, _on_step: Callable[[int], None] | None = None) -> TrainResult:
+          served: ServedEval | None = None,
+          _on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Train ``objective`` on ``source`` (``rows[i]``: packed-row fields, lists or ``[T]``
     tensors, plus optional cached ``[T, D]`` features; ``add_features(batch)`` runs on the
     device batch) for one stage; checkpoints under ``run_dir/checkpoints``. ``stage`` names the
@@ -362,8 +363,8 @@ class _StageLoop:
         if state is not None:
             values = self.served(state)
             self._emit({f"served/{k}": v for k, v in values.items()})
-            rates = " ".join(f"{values[k]:.2f}" for k in sorted(values)
-                             if k.startswith("acceptance_rate_pos_"))
+            rates = " ".join(f"{values[f'acceptance_rate_pos_{i}']:.2f}"
+                             for i in range(len(values) - 1))
             est = self.metrics.get("acceptance_length_est")
             self.pbar.write(f"served[{self.stage} step {self.pos.step}]: acceptance length "
                             f"{values['acceptance_length']:.3f} (per position {rates})"
