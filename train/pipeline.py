@@ -75,12 +75,15 @@ def run(cfg: TrainConfig) -> RunResult:
     served = ServedEval.from_config(cfg, objective, target)  # every rank joins its gather
     try:
         stages, step, result = objective.stages(), 0, None
-        for stage in stages:
+        for i, stage in enumerate(stages):
+            following = stages[i + 1] if i + 1 < len(stages) else None
             rows = stage_rows(cfg, stage, prepared, state)
             source = feature_source(cfg, target, objective, rows, stage, state)
             moments = result.optimizer_state if result and stage.carry_optimizer else None
-            result = train_stage(cfg, objective, source, stage, prepared, logger, stages,
-                                 optimizer_state=moments, served=served)
+            result = train_stage(cfg, objective, source, stage, prepared, logger,
+                                 last=following is None, optimizer_state=moments,
+                                 keep_optimizer_state=bool(following and following.carry_optimizer),
+                                 served=served)
             step += result.step  # W&B steps must not go backwards
         export(objective, result, cfg.final_dir, state)
         report = None
@@ -203,12 +206,13 @@ def feature_source(cfg: TrainConfig, target: FrozenTarget, objective: Objective,
 
 
 def train_stage(cfg: TrainConfig, objective: Objective, source: FeatureSource, stage: Stage,
-                prepared: PreparedData, logger, stages: list[Stage],
-                optimizer_state: dict | None = None, served: ServedEval | None = None):
-    """The trainer on one stage of ``stages`` (its ``trainer`` overrides applied, from
-    ``optimizer_state`` when given; its own kept when the next stage carries it over); the last
-    stage also gathers the objective's state for the export; ``served`` measures served
-    acceptance every ``eval.every_steps``."""
+                prepared: PreparedData, logger, last: bool,
+                optimizer_state: dict | None = None, keep_optimizer_state: bool = False,
+                served: ServedEval | None = None):
+    """The trainer on one stage (its ``trainer`` overrides applied, from ``optimizer_state``
+    when given; its own returned with ``keep_optimizer_state``, for a next stage that carries it
+    over); the ``last`` stage also gathers the objective's state for the export; ``served``
+    measures served acceptance every ``eval.every_steps``."""
     from transformers import AutoTokenizer
 
     from train.trainer import train
@@ -216,11 +220,9 @@ def train_stage(cfg: TrainConfig, objective: Objective, source: FeatureSource, s
     stage_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
                                                                      **stage.trainer))
     pad_id = pad_token_id(AutoTokenizer.from_pretrained(prepared.target_dir))
-    following = stages[stages.index(stage) + 1] if stage is not stages[-1] else Stage()
     return train(stage_cfg, objective, source, pad_id=pad_id, run_dir=cfg.run_dir, logger=logger,
-                 stage=stage.name, gather_state=stage is stages[-1],
-                 optimizer_state=optimizer_state, keep_optimizer_state=following.carry_optimizer,
-                 served=served)
+                 stage=stage.name, gather_state=last, optimizer_state=optimizer_state,
+                 keep_optimizer_state=keep_optimizer_state, served=served)
 
 
 # ---- 5. export, 6. evaluation ----------------------------------------------------------------

@@ -33,6 +33,7 @@ from torch import Tensor
 from infer.drafters.common import check_names, write_checkpoint
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
+from train.config import LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
@@ -93,7 +94,7 @@ class Eagle3Objective(TTTObjective):
             speculative_tokens=min(self.ttt_steps, DEFAULT_SPECULATIVE_TOKENS))
         self.drafter = Eagle3Drafter(config)
         self.drafter.set_vocab(vocab.target_ids())
-        if str(d.lm_head_init) == "target_rows":
+        if d.lm_head_init == LmHeadInit.target_rows:
             init_lm_head(self.drafter, heads.lm_head, vocab.target_ids())
         if self.drafter.embed_tokens is not None:  # trained: start from the target's
             with torch.no_grad():
