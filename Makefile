@@ -26,7 +26,7 @@ torch: $(PY)
 	  if [ "$$dev" = cpu ]; then \
 	    $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
 	    $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
-	  else $(PIP) install -q "torch>=2.4"; fi; \
+	  else $(PIP) install -q "torch>=2.6"; fi; \
 	fi
 
 $(VENV)/.installed: pyproject.toml | torch

@@ -5,6 +5,7 @@ prompts, drafting with the default recipe's trained EAGLE-3 head (outputs/tiny_e
 when ``python train.py`` has produced it, else with the tiny draft LM, unless
 ``speculative_config`` says otherwise.
 ``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/eval/harness.py).
+A user error (config, file, value) prints one line and exits 2 (infer/entry.py).
 """
 
 from pathlib import Path
@@ -13,6 +14,8 @@ import hydra
 from omegaconf import OmegaConf
 
 from infer.config import InferConfig, register_configs
+from infer.entry import prepare_argv, user_errors
+from infer.errors import ConfigError
 
 register_configs()
 DEFAULT_HEAD = Path("outputs") / "tiny_eagle3" / "final"  # train.py's default recipe output
@@ -46,9 +49,23 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
 
 @hydra.main(version_base=None, config_path="conf", config_name="infer")
 def main(dcfg) -> None:
+    with user_errors("infer.py"):
+        generate_or_eval(OmegaConf.to_object(dcfg))
+
+
+def generate_or_eval(cfg: InferConfig) -> None:
+    from infer.cli import check_outputs
+    from infer.signals import raise_on_signals
+
+    cfg.validate()  # every key, before the tiny target is built or a model loaded
+    check_outputs(cfg)  # and where results go can be written
+    with raise_on_signals("no results were written"):
+        _run(cfg)
+
+
+def _run(cfg: InferConfig) -> None:
     from infer.cli import check_mode, eval_prompts, read_prompts, run, run_eval
 
-    cfg: InferConfig = OmegaConf.to_object(dcfg)
     mode = check_mode(cfg)
     model, prompts = (cfg.model, None) if cfg.model else default_model(cfg)
     if mode == "eval":
@@ -57,9 +74,10 @@ def main(dcfg) -> None:
     if cfg.prompts_file:
         prompts = read_prompts(cfg.prompts_file)
     if prompts is None:
-        raise SystemExit("infer.py: give prompts_file=... (text lines or jsonl) with model=...")
+        raise ConfigError("give prompts_file=... (text lines or jsonl) with model=...")
     run(cfg, model, prompts)
 
 
 if __name__ == "__main__":
+    prepare_argv("infer", "infer.py")
     main()

@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS = {"LLM": "infer.engine", "SamplingParams": "infer.sampling",
+_EXPORTS = {"LLM": "infer.engine", "SamplingParams": "infer.sampling_params",
             "SpeculativeConfig": "infer.spec_config", "rejection_sample": "infer.rejection"}
 __all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "rejection_sample"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from infer.engine import LLM
     from infer.rejection import rejection_sample
-    from infer.sampling import SamplingParams
+    from infer.sampling_params import SamplingParams
     from infer.spec_config import SpeculativeConfig
 
 

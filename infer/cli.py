@@ -10,10 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infer.atomic import write_text
+from infer.atomic import remove_leftovers, write_text
 from infer.config import InferConfig, Mode
 from infer.data_sources import load_source
 from infer.engine import LLM
+from infer.errors import (ConfigError, FileFormatError, MissingFileError, NotWritableError,
+                          check_writable)
+from infer.files import load_tokenizer
 from infer.sampling import SamplingParams
 from infer.validation import check_choice
 
@@ -22,12 +25,25 @@ def check_mode(cfg: InferConfig) -> Mode:
     return check_choice("mode", cfg.mode, Mode, "infer.py")
 
 
+def check_outputs(cfg: InferConfig) -> None:
+    """Where this mode writes (``output`` for generate, ``eval.output_dir`` for eval) can be
+    written: checked before any model loads, so a long run never ends by losing its results."""
+    mode = check_mode(cfg)
+    if mode == "eval":
+        check_writable(cfg.eval.output_dir or "outputs/eval", "eval.output_dir")
+    elif mode == "generate" and cfg.output:
+        if Path(cfg.output).is_dir():
+            raise NotWritableError(f"output={cfg.output!r} is a directory; give a file path "
+                                   "(results are written as jsonl)")
+        check_writable(cfg.output, "output")
+
+
 def read_prompts(path: str) -> list[Any]:
     """jsonl / json records with ``prompt_token_ids`` or ``prompt`` (read by the shared dataset
     reader), or text lines, one prompt each (``\\n`` in a line stands for a newline)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompts_file={path!r} does not exist")
+        raise MissingFileError(f"prompts_file={path!r} does not exist")
     if p.suffix not in (".jsonl", ".json"):
         lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
         return [ln.replace("\\n", "\n") for ln in lines]
@@ -36,7 +52,7 @@ def read_prompts(path: str) -> list[Any]:
         value = record.get("prompt_token_ids")
         value = record.get("prompt") if value is None else value
         if value is None:
-            raise ValueError(f"{path}: record {n}: expected 'prompt' or 'prompt_token_ids'; "
+            raise FileFormatError(f"{path}: record {n}: expected 'prompt' or 'prompt_token_ids'; "
                              f"got keys {sorted(record)}")
         prompts.append(value)
     return prompts
@@ -57,10 +73,11 @@ def metrics_table(metrics: dict, tok_s: float, k: int) -> str:
 
 def run(cfg: InferConfig, model: str, prompts: list[Any]) -> list[dict]:
     """Generate for ``prompts`` with ``model``; print outputs and metrics; return result rows."""
+    check_outputs(cfg)
     params = SamplingParams.from_dict(cfg.sampling)
     llm = LLM(model, speculative_config=cfg.speculative_config, dtype=cfg.dtype,
               device=cfg.device, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-              seed=cfg.seed, tokenizer=cfg.tokenizer)
+              seed=cfg.seed, tokenizer=cfg.tokenizer, num_threads=cfg.num_threads)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -71,12 +88,14 @@ def run(cfg: InferConfig, model: str, prompts: list[Any]) -> list[dict]:
         for o in outputs:
             print(f"=== prompt {o.request_id} ({o.finish_reason}) ===")
             print((o.prompt or str(o.prompt_token_ids))[-300:], end="")
-            print(" ||| " + (o.text or str(o.token_ids)) if o.error is None else o.error)
+            print(" ||| " + (o.text or str(o.token_ids) if o.error is None
+                             else f"refused: {o.error}"))
     generated = sum(len(o.token_ids) for o in outputs)
     spec = llm.spec.to_json() if llm.spec else "none (autoregressive)"
     print(f"\nspeculative_config: {spec}")
     print(metrics_table(llm.get_metrics(), generated / max(elapsed, 1e-9), llm.k))
     if cfg.output:
+        remove_leftovers(cfg.output)  # of a killed earlier write
         write_text(cfg.output, "".join(json.dumps(row) + "\n" for row in rows))
         print(f"wrote {len(rows)} results to {cfg.output}")
     return rows
@@ -109,19 +128,14 @@ def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> lis
     from infer.eval.prompt_sets import load_prompts, render_prompt
 
     ev = cfg.eval
-    tokenizer = None
-    tok_dir = Path(cfg.tokenizer or model)
-    if (tok_dir / "tokenizer.json").exists() or (tok_dir / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    tokenizer = load_tokenizer(cfg.tokenizer or model, required=cfg.tokenizer is not None)
     if ev.dataset:
         return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
                             subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
                             template_kwargs=ev.chat_template_kwargs)
     if default is None:
-        raise SystemExit("infer.py mode=eval: give eval.dataset=... (json/jsonl file, dataset "
-                         "directory or hub id) with model=...")
+        raise ConfigError("mode=eval: give eval.dataset=... (json/jsonl file, dataset "
+                          "directory or hub id) with model=...")
     return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat,
                           ev.chat_template_kwargs)
             if isinstance(p, str) else p for p in list(default)[: ev.num_prompts]]
@@ -135,6 +149,7 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
     from infer.eval.report import render_markdown
     from infer.tracking import make_logger
 
+    check_outputs(cfg)
     ev = cfg.eval
     configs = expand_matrix(ev.methods, ev.ks, ev.temperatures, ev.batch_sizes)
     out = Path(ev.output_dir or Path("outputs/eval") / time.strftime("%Y-%m-%d_%H-%M-%S"))
@@ -145,7 +160,7 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
         report = run_harness(model, configs, prompts, max_tokens=ev.max_tokens, output_dir=out,
                              logger=logger, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                              max_model_len=cfg.max_model_len, ignore_eos=ev.ignore_eos,
-                             warmup=ev.warmup)
+                             warmup=ev.warmup, num_threads=cfg.num_threads)
     finally:
         logger.finish()
     print(render_markdown(report))

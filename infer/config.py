@@ -1,22 +1,31 @@
 """Typed config of ``python infer.py`` (registered in Hydra's ConfigStore as ``infer_schema``), and
 the acceptance harness's ``EvalConfig``, which ``train.py`` uses too.
 
-``speculative_config`` is a nested mapping or a JSON string, validated by SpeculativeConfig;
-``sampling`` holds SamplingParams keys, validated by SamplingParams.from_dict. Both therefore
-fail with the key named, like the structured fields here. Fields with a fixed set of values are
-``StrChoice`` enums, so Hydra rejects a bad value at compose time and lists the allowed ones.
-Every field's docstring is what ``python infer.py --help`` prints (``infer/config_docs.py``).
+``speculative_config`` is a nested mapping or a JSON string, validated by SpeculativeConfig.
+``sampling`` is a SamplingParams node (the dataclass itself, so its fields, defaults and
+docstrings are defined once): Hydra knows every key (``sampling.top_p=0.9`` without ``+``,
+a misspelt key refused by name at compose time), and building it validates the values. Both
+therefore fail with the key named, like the structured fields here. Fields with a fixed set of
+values are ``StrChoice`` enums, so Hydra rejects a bad value at compose time and lists the
+allowed ones. Every field's docstring is what ``python infer.py --help`` prints
+(``infer/config_docs.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
 from infer.config_docs import register_help_resolver
-from infer.validation import StrChoice
+from infer.errors import ConfigError, MissingFileError
+from infer.sampling_params import SamplingParams
+from infer.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
+                              check_int, check_list, check_str, config_error)
 
 
 class Mode(StrChoice):
@@ -34,6 +43,11 @@ class Dtype(StrChoice):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+def _default_sampling() -> SamplingParams:
+    """infer.py's sampling: greedy, 64 tokens; every other key keeps SamplingParams' default."""
+    return SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def _default_methods() -> List[Any]:
@@ -94,6 +108,11 @@ class EvalConfig:
     wandb_run_name: Optional[str] = None
     """W&B run name of infer.py mode=eval."""
 
+    def validate(self, where: str) -> None:
+        """Every key, named ``eval.KEY``, before any work starts: train.py would otherwise meet
+        a bad ``eval.ks`` or method only after the whole training run."""
+        check_fields(self, "eval", _EVAL_RULES, where)
+
 
 @dataclass
 class InferConfig:
@@ -107,9 +126,8 @@ class InferConfig:
     """Tokenizer directory; None: the model's."""
     speculative_config: Any = None
     """vLLM's speculative_config as a mapping or JSON string; None: no speculation."""
-    sampling: Dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0,
-                                                              "max_tokens": 64})
-    """SamplingParams keys (vLLM names) for every prompt."""
+    sampling: SamplingParams = field(default_factory=_default_sampling)
+    """SamplingParams for every prompt (vLLM names), each key settable as sampling.KEY=VALUE."""
     prompts_file: Optional[str] = None
     """Text lines (one prompt each, \\n escapes) or jsonl / json with prompt / prompt_token_ids."""
     num_prompts: int = 4
@@ -124,12 +142,101 @@ class InferConfig:
     """Context length (prompt + output); None: the model's, at most 4096."""
     max_num_seqs: int = 8
     """Requests decoded together (continuous batching)."""
+    num_threads: Optional[int] = None
+    """CPU torch threads; None: one per core other processes leave free, re-checked while
+    running (infer/threads.py), so a busy neighbour does not stall decoding."""
     seed: int = 0
     """Engine seed for sampled requests without their own."""
     show_outputs: bool = True
     """Print each prompt's tail and its completion."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """mode=eval: the harness matrix."""
+
+    def validate(self) -> None:
+        """Every key (``eval.*`` included) before the first model is built or loaded."""
+        check_fields(self, "", _INFER_RULES, "infer.py")
+
+
+# ---- validation rules: one per field, called as rule(key, value, where=...) ---------------------
+
+def _validated_when_built(key: str, value: Any, where: str) -> None:
+    """``sampling`` is a SamplingParams, which validates its own keys when it is built."""
+
+
+def _check_mapping(key: str, value: Any, where: str) -> None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise config_error(key, value, "a mapping with string keys", where)
+
+
+def _check_spec(key: str, value: Any, where: str) -> None:
+    """A speculative_config (None: no speculation), validated now rather than at engine start."""
+    from infer.spec_config import SpeculativeConfig
+
+    SpeculativeConfig.parse(value)
+
+
+def _check_methods(key: str, methods: Any, where: str) -> None:
+    """speculative_config mappings without k (it comes from ``eval.ks``), each validated by
+    SpeculativeConfig now; ``draft_model`` without a ``model`` is completed by the entry point
+    (the embedded tiny draft, or the target's paired one), so only its shape is checked."""
+    from infer.spec_config import SpeculativeConfig
+
+    if isinstance(methods, (str, Mapping)) or not isinstance(methods, Sequence):
+        raise config_error(key, methods, "a list of speculative_config mappings", where)
+    for i, m in enumerate(methods):
+        if not isinstance(m, Mapping):
+            raise config_error(f"{key}[{i}]", m, "a speculative_config mapping", where)
+        if "num_speculative_tokens" in m:
+            raise config_error(f"{key}[{i}].num_speculative_tokens", m["num_speculative_tokens"],
+                               "no value: k comes from eval.ks", where)
+        spec = {k: v for k, v in m.items() if k != "name"}
+        if spec.get("method") == "draft_model" and not spec.get("model"):
+            continue
+        try:
+            SpeculativeConfig.parse({**spec, "num_speculative_tokens": 1})
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {key}[{i}]: {err}") from None
+
+
+def _check_file(key: str, value: Any, where: str) -> None:
+    """An existing file or None (found missing now, not after the default target is built)."""
+    check_str(key, value, where, optional=True)
+    if value is not None and not Path(value).expanduser().is_file():
+        raise MissingFileError(f"{key}={value!r}: no such file")
+
+
+def _check_device(key: str, value: Any, where: str) -> None:
+    from infer.target import resolve_device  # auto | cpu | cuda[:N], CUDA refused when absent
+
+    resolve_device(value)
+
+
+def _check_section(key: str, value: Any, where: str) -> None:
+    value.validate(where)
+
+
+_opt_str = partial(check_str, optional=True)
+_EVAL_RULES = {
+    "enabled": check_bool, "every_steps": partial(check_int, minimum=0),
+    "every_num_prompts": partial(check_int, minimum=1), "methods": _check_methods,
+    "ks": partial(check_list, item=partial(check_int, minimum=1)),
+    "temperatures": partial(check_list, item=partial(check_float, low=0.0)),
+    "batch_sizes": partial(check_list, item=partial(check_int, minimum=1)),
+    "max_tokens": partial(check_int, minimum=1), "num_prompts": partial(check_int, minimum=1),
+    "dataset": _opt_str, "dataset_split": check_str, "dataset_subset": _opt_str,
+    "chat": partial(check_bool, optional=True), "chat_template_kwargs": _check_mapping,
+    "ignore_eos": check_bool, "warmup": check_bool, "output_dir": _opt_str,
+    "logger": partial(check_choice, choices=LoggerKind), "wandb_project": check_str,
+    "wandb_run_name": _opt_str}
+_INFER_RULES = {
+    "mode": partial(check_choice, choices=Mode), "model": _opt_str, "tokenizer": _opt_str,
+    "speculative_config": _check_spec, "sampling": _validated_when_built,
+    "prompts_file": _check_file, "num_prompts": partial(check_int, minimum=1), "output": _opt_str,
+    "dtype": partial(check_choice, choices=Dtype), "device": _check_device,
+    "max_model_len": partial(check_int, minimum=2, optional=True),
+    "max_num_seqs": partial(check_int, minimum=1),
+    "num_threads": partial(check_int, minimum=1, optional=True), "seed": check_int,
+    "show_outputs": check_bool, "eval": _check_section}
 
 
 def register_configs() -> None:

@@ -30,6 +30,7 @@ from infer.request import Request, RequestOutput, make_requests, prefill_groups,
 from infer.sampling import BatchGenerator, Generator, SamplingParams
 from infer.spec_config import SpeculativeConfig
 from infer.target import Target
+from infer.threads import GOVERNOR
 from infer.timing import EngineTimers, Timer
 from infer.validation import check_float, check_int, config_error
 
@@ -43,13 +44,15 @@ class LLM:
     float32 on CPU, where bf16 matmuls are slow) or an already loaded :class:`Target`, which is
     shared, not copied (then dtype / device / max_model_len / tokenizer were fixed when it was
     loaded). ``timers``: set an :class:`~infer.timing.EngineTimers` to have every step timed.
+    ``num_threads`` (CPU): torch threads, fixed; None: one per core other processes leave free,
+    re-checked as it runs (:mod:`infer.threads`).
     """
 
     def __init__(self, model: str | Target, speculative_config: Any = None, *,
                  dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 8, seed: int = 0, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-                 tokenizer: str | None = None) -> None:
+                 tokenizer: str | None = None, num_threads: int | None = None) -> None:
         _check_engine_args(max_model_len, max_num_seqs, seed, gpu_memory_utilization,
                            tensor_parallel_size)
         self.spec = SpeculativeConfig.parse(speculative_config)
@@ -60,6 +63,9 @@ class LLM:
             self.target = Target.load(model, dtype=dtype, device=device,
                                       max_model_len=max_model_len, tokenizer=tokenizer)
         self.max_num_seqs, self.seed = max_num_seqs, seed
+        self.num_threads = num_threads
+        if self.device.type == "cpu":
+            GOVERNOR.start(num_threads)  # infer/threads.py: steady beside other processes
         self.enforce_eager, self.gpu_memory_utilization = enforce_eager, gpu_memory_utilization
         self.timers: EngineTimers | None = None
         kv_dtype, cfg = self.target.dtype, self.target.model.config
@@ -113,13 +119,34 @@ class LLM:
         return LLM(self.target, speculative_config,
                    max_num_seqs=max_num_seqs or self.max_num_seqs,
                    seed=self.seed if seed is None else seed, enforce_eager=self.enforce_eager,
-                   gpu_memory_utilization=self.gpu_memory_utilization)
+                   gpu_memory_utilization=self.gpu_memory_utilization,
+                   num_threads=self.num_threads)
 
     # ---- public API ------------------------------------------------------------------------------
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``)."""
+        """Generate for prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``).
+
+        Returns one :class:`RequestOutput` per prompt, in order. One bad request never hurts
+        the others: a request that cannot run (empty prompt, token ids outside
+        ``[0, vocab_size)``, a prompt of ``max_model_len`` tokens or more, text without a
+        tokenizer, SamplingParams that are not valid, checked again here in case they were
+        changed after construction, stop_token_ids outside the vocabulary) gets
+        ``finish_reason`` "error" and ``error`` = "prompt INDEX: what is wrong; expected ...",
+        no tokens, and never reaches the model; every other request gets the tokens it would
+        get alone (greedy or seeded). Only a call wrong as a whole raises ``ValueError``
+        (:class:`~infer.request.GenerateError`): no prompts, prompts that are not a prompt or
+        a list of them, sampling_params that are neither a SamplingParams nor a list of one
+        per prompt.
+
+        vLLM 0.32 checks the same things but raises (``VLLMValidationError``) from
+        ``generate`` at the first invalid request and aborts those already added, so one bad
+        prompt costs the whole batch its outputs (and ``generate([])`` returns ``[]``). An
+        offline batch here is often a whole dataset (the harness, regeneration), so draftsmith
+        refuses per request instead, as vLLM's server does for one HTTP request.
+        docs/reference.md §8 has the details.
+        """
         requests = make_requests(prompts, sampling_params, self.target)
         waiting = [r for r in requests if not r.finished]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
@@ -131,6 +158,8 @@ class LLM:
             if done and waiting:
                 continue  # their slots are free again: admit more before stepping
             if self._running:
+                if self.device.type == "cpu":
+                    GOVERNOR.tick()  # resize torch's team to the cores left free
                 self.speculative_step()
             bar.update(self._retire())
         bar.close()

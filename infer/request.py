@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from infer.errors import ConfigError, UserError
 from infer.metrics import SpecMetrics
-from infer.sampling import SamplingParams
+from infer.sampling_params import SamplingParams
 from infer.target import Target
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: dict  # SpecMetrics.as_dict() of this request
-    error: str | None = None  # set when the request was refused (e.g. prompt too long)
+    error: str | None = None  # why the request was refused (finish_reason "error"): which
+    # prompt and what is wrong with it, e.g. "prompt 2: is empty; expected at least one token"
 
     @property
     def text(self) -> str:
@@ -64,9 +66,13 @@ class Request:
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     generator: torch.Generator | None = None  # its own stream when SamplingParams.seed is set
+    error: str | None = None  # why it was refused; it then never runs (finish_reason "error")
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
+
+    def refuse(self, error: str) -> None:
+        self.finish_reason, self.error = "error", error
 
     @property
     def num_output(self) -> int:
@@ -130,88 +136,144 @@ def prefill_groups(lengths: list[int], call_cost: int = 64) -> list[list[int]]:
 
 # ---- generate's inputs and outputs ------------------------------------------------------------
 
+class GenerateError(UserError, ValueError):
+    """``generate`` was called wrongly as a whole (no prompts, prompts that are not a prompt or
+    a list of them, a params list of another length): nothing ran."""
+
+
+class _Refused(Exception):
+    """Why one request cannot run; caught per request, so the rest of the batch runs."""
+
+
 def make_requests(prompts: Any, params: Any, target: Target) -> list[Request]:
     """Prompts (strings, token-id lists, ``{"prompt_token_ids": [...]}`` / ``{"prompt": ...}``,
-    one or a list) and sampling params (one for all, or one each) -> requests. A prompt that
-    leaves no room for one generated token is refused alone (``finish_reason`` "error")."""
+    one or a list) and sampling params (one for all, or one each) -> requests, in prompt order.
+
+    A call wrong as a whole raises :class:`GenerateError` (a ``ValueError``). A request that
+    cannot run (an empty prompt, token ids outside the vocabulary, a prompt leaving no room for
+    one generated token, text without a tokenizer, invalid SamplingParams: validated again
+    here, as they may have been changed since they were built; stop_token_ids outside the
+    vocabulary) is refused alone, with ``finish_reason`` "error" and ``error`` naming the
+    prompt and what is wrong. It takes no slot, no forward and no random draw, so the others
+    run exactly as they would without it.
+    """
     prompts = _normalise_prompts(prompts)
     params_list = _normalise_params(params, len(prompts))
-    requests = []
-    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-        text, ids = _encode(prompt, i, target)
-        req = Request(i, text, ids, p)
-        if p.seed is not None and not p.greedy:  # its own random stream
-            req.generator = torch.Generator(device=target.device).manual_seed(p.seed)
-        if len(ids) >= target.max_model_len:
-            req.finish_reason = "error"
-            log.error("request %d refused: prompt has %d tokens, max_model_len is %d", i,
-                      len(ids), target.max_model_len)
-        requests.append(req)
-    return requests
+    return [_make_request(i, prompt, p, target)
+            for i, (prompt, p) in enumerate(zip(prompts, params_list))]
+
+
+def _make_request(index: int, prompt: Any, params: Any, target: Target) -> Request:
+    """One request, or a refused one saying why (see ``make_requests``)."""
+    text, ids = None, []
+    try:
+        text, ids = _prompt_parts(prompt)
+        ids = _tokenize(text, ids, target)
+        _check_ids(ids, target)
+        if not isinstance(params, SamplingParams):
+            raise _Refused(f"its sampling params are a {type(params).__name__}; expected a "
+                           "SamplingParams")
+        params.validate()
+        _check_stop_ids(params.stop_token_ids, target)
+    except (_Refused, ConfigError) as e:
+        ok_ids = all(isinstance(t, int) for t in ids)  # echoed back only when they are ids
+        req = Request(index, text, list(ids) if ok_ids else [], params)
+        req.refuse(f"prompt {index}: {e}")
+        log.error("request refused: %s", req.error)
+        return req
+    req = Request(index, text, ids, params)
+    if params.seed is not None and not params.greedy:  # its own random stream
+        req.generator = torch.Generator(device=target.device).manual_seed(params.seed)
+    return req
 
 
 def request_output(req: Request, target: Target) -> RequestOutput:
     """A finished (or refused) request as ``generate`` returns it."""
-    error = None
-    if req.finish_reason == "error":
-        error = (f"prompt has {len(req.prompt_ids)} tokens; max_model_len is "
-                 f"{target.max_model_len} (at least one token must be generated)")
     ids = req.output_ids
     tok = target.tokenizer
     text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
     completion = CompletionOutput(0, text, ids, req.finish_reason)
     return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [completion],
-                         req.metrics.as_dict(), error)
+                         req.metrics.as_dict(), req.error)
 
 
-def _encode(prompt: Any, index: int, target: Target) -> tuple[str | None, list[int]]:
+def _prompt_parts(prompt: Any) -> tuple[str | None, list[Any]]:
+    """One prompt -> (its text or None, its token ids as given; [] for text)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise _Refused(f"is a dict with keys {sorted(map(str, prompt))}; expected "
+                           "'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, str):
-        if target.tokenizer is None:
-            raise ValueError(f"prompt {index} is text but the model directory has no "
-                             "tokenizer; pass token ids or tokenizer=PATH")
-        ids = target.tokenizer(prompt)["input_ids"]  # with BOS where the tokenizer adds one
-        text = prompt
-    else:
-        ids, text = list(prompt), None
+        return prompt, []
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise _Refused(f"is a {type(prompt).__name__}; expected a string, a list of token ids or a "
+                   "dict with 'prompt' or 'prompt_token_ids'")
+
+
+def _tokenize(text: str | None, ids: list[Any], target: Target) -> list[Any]:
+    if text is None:
+        return ids
+    if target.tokenizer is None:
+        raise _Refused("is text but the model directory has no tokenizer; expected token ids "
+                       "(or pass tokenizer=PATH)")
+    return list(target.tokenizer(text)["input_ids"])  # with BOS where the tokenizer adds one
+
+
+def _check_ids(ids: list[Any], target: Target) -> None:
+    """At least one token, every id in the vocabulary, and room for one generated token."""
     if not ids:
-        raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+        raise _Refused("is empty; expected at least one token")
     vocab = target.model.config.vocab_size
-    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): {bad[:5]}")
-    return text, ids
+        raise _Refused(f"has token ids outside [0, {vocab}): {bad[:5]}"
+                       f"{' ...' if len(bad) > 5 else ''}; expected integers in [0, {vocab}) "
+                       "(the model's vocab_size)")
+    limit = target.max_model_len
+    if len(ids) >= limit:
+        raise _Refused(f"has {len(ids)} tokens; max_model_len is {limit}, so expected at most "
+                       f"{limit - 1} (at least one token must be generated)")
+
+
+def _check_stop_ids(stop_ids: list[int], target: Target) -> None:
+    """vLLM refuses stop_token_ids the model cannot emit: a typo there would never stop."""
+    vocab = target.model.config.vocab_size
+    bad = [t for t in stop_ids if t >= vocab]
+    if bad:
+        raise _Refused(f"SamplingParams: invalid value for 'stop_token_ids': {stop_ids!r}; "
+                       f"expected ids in [0, {vocab}) (the model's vocab_size), not {bad[:5]}")
 
 
 def _normalise_prompts(prompts: Any) -> list[Any]:
-    """A single prompt or a list of them -> list of str / list[int]."""
+    """``generate``'s prompts -> one entry per request. Only a call wrong as a whole raises;
+    what is wrong with one prompt becomes that request's error."""
     if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, dict):
-            if "prompt_token_ids" in p:
-                p = p["prompt_token_ids"]
-            elif "prompt" in p:
-                p = p["prompt"]
-            else:
-                raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or "
-                                 f"'prompt_token_ids', got keys {sorted(p)}")
-        if not isinstance(p, (str, list, tuple)):
-            raise ValueError(f"prompt {i}: expected a string or a list of token ids, got "
-                             f"{type(p).__name__}")
-        out.append(p)
-    if not out:
-        raise ValueError("generate: no prompts given")
-    return out
+        return [prompts]  # one prompt
+    if not isinstance(prompts, (list, tuple)):
+        raise GenerateError(f"generate: prompts is a {type(prompts).__name__}; expected a "
+                            "prompt (a string, a list of token ids, a dict with 'prompt' or "
+                            "'prompt_token_ids') or a list of prompts")
+    if not prompts:
+        raise GenerateError("generate: no prompts given; expected at least one prompt")
+    return list(prompts)
 
 
-def _normalise_params(params: Any, n: int) -> list[SamplingParams]:
+def _normalise_params(params: Any, n: int) -> list[Any]:
+    """One SamplingParams for all ``n`` prompts (None: the defaults) or a list of ``n``."""
     if params is None:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
-        params = [params] * n
-    params = list(params)
+        return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise GenerateError(f"generate: sampling_params is a {type(params).__name__}; expected "
+                            "a SamplingParams or a list of them, one per prompt")
     if len(params) != n:
-        raise ValueError(f"generate: got {len(params)} sampling params for {n} prompts")
-    return params
+        raise GenerateError(f"generate: got {len(params)} sampling params for {n} prompts; "
+                            "expected one for all prompts or one per prompt")
+    return list(params)

@@ -1,6 +1,7 @@
 """Sampling parameters and sync-free sampling.
 
-`SamplingParams` mirrors vLLM's names. The functions turn target logits into the distribution the
+`SamplingParams` (vLLM's names; torch-free in ``infer/sampling_params.py``, re-exported here) says
+what a request wants. The functions turn target logits into the distribution the
 rejection sampler compares against (temperature, top-k, top-p applied in that order) and sample
 from it without a host synchronisation: argmax(probs / Exp(1)) is a sample from probs (the
 "exponential race"), so no `torch.multinomial` and no `.item()`.
@@ -8,76 +9,14 @@ from it without a host synchronisation: argmax(probs / Exp(1)) is a sample from 
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from infer.spec_config import SpeculativeConfig
-from infer.validation import check_float, check_int, config_error, reject_unknown_keys
+from infer.sampling_params import SamplingParams
 
-_WHERE = "SamplingParams"
-@dataclass
-class SamplingParams:
-    """Per-request sampling settings (vLLM names). temperature 0 means greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    max_tokens: int = 16
-    min_tokens: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        check_float("temperature", self.temperature, _WHERE, low=0.0)
-        if not math.isfinite(self.temperature):  # logits / inf is 0 (or nan on masked logits)
-            raise config_error("temperature", self.temperature, "a finite number >= 0", _WHERE)
-        check_float("top_p", self.top_p, _WHERE, low=0.0, high=1.0, low_open=True)
-        check_int("top_k", self.top_k, _WHERE, minimum=-1)
-        check_int("max_tokens", self.max_tokens, _WHERE, minimum=1)
-        check_int("min_tokens", self.min_tokens, _WHERE, minimum=0)
-        if self.min_tokens > self.max_tokens:
-            raise config_error("min_tokens", self.min_tokens,
-                               f"an integer <= max_tokens ({self.max_tokens})", _WHERE)
-        check_int("seed", self.seed, _WHERE, optional=True)
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                for t in self.stop_token_ids):
-            raise config_error("stop_token_ids", self.stop_token_ids,
-                               "a list of non-negative token ids", _WHERE)
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise config_error("ignore_eos", self.ignore_eos, "true or false", _WHERE)
-        check_int("n", self.n, _WHERE)
-        if self.n != 1:
-            raise config_error("n", self.n, "1 (one output per prompt is supported)", _WHERE)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
-    @classmethod
-    def from_dict(cls, obj: dict[str, Any] | DictConfig | None) -> "SamplingParams":
-        """Build from a mapping, rejecting unknown keys by name (speculative keys get a hint)."""
-        if isinstance(obj, DictConfig):  # dict() would keep ListConfig values
-            obj = OmegaConf.to_container(obj, resolve=True)
-        obj = dict(obj or {})
-        hints = {f.name: "it belongs in speculative_config, not in the sampling parameters"
-                 for f in fields(SpeculativeConfig)}
-        reject_unknown_keys(obj, [f.name for f in fields(cls)], _WHERE, hints)
-        return cls(**obj)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["SamplingParams", "BatchGenerator", "Generator", "apply_top_k_top_p",
+           "fill_random_", "logits_to_probs", "sample_from_probs"]
 
 
 def _per_row(value: float | int | torch.Tensor | None, like: torch.Tensor,

@@ -24,6 +24,8 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from infer.errors import ConfigError
+from infer.files import read_json
 from infer.validation import check_float, check_int, config_error, reject_unknown_keys
 
 _WHERE = "speculative_config"
@@ -134,12 +136,11 @@ class SpeculativeConfig:
             if check is check_float and getattr(self, key) is not None:
                 self._set(key, float(getattr(self, key)))
         self._resolve_prompt_lookup()
-        path, draft = None, {}
-        if self.model is not None and (self.method is None or self.num_speculative_tokens is None):
-            path = draft_config_path(self.model)
-            draft = read_draft_config(path) if path else {}
+        path = draft_config_path(self.model) if self.model is not None else None
+        draft = read_draft_config(path) if path else {}
         if self.method is None:
             self._set("method", _infer_method(self.model, draft, path))
+        _check_method_fits(self.method, draft, path)
         self._check_model()
         if self.num_speculative_tokens is None:
             self._set("num_speculative_tokens", self._num_tokens_from_draft(draft, path))
@@ -247,15 +248,15 @@ class SpeculativeConfig:
             try:
                 decoded = json.loads(obj)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{_WHERE}: not valid JSON ({e}): {obj[:200]!r}") from None
+                raise ConfigError(f"{_WHERE}: not valid JSON ({e}): {obj[:200]!r}") from None
             if isinstance(decoded, str):
-                raise ValueError(f"{_WHERE}: the JSON string holds a string {decoded!r}; "
+                raise ConfigError(f"{_WHERE}: the JSON string holds a string {decoded!r}; "
                                  "expected a JSON object")
             return cls.parse(decoded)
         if isinstance(obj, DictConfig):
             obj = OmegaConf.to_container(obj, resolve=True)
         if not isinstance(obj, Mapping):
-            raise ValueError(f"{_WHERE}: invalid value {obj!r} of type {type(obj).__name__}; "
+            raise ConfigError(f"{_WHERE}: invalid value {obj!r} of type {type(obj).__name__}; "
                              "expected a mapping, a JSON object string, a DictConfig or None")
         reject_unknown_keys(obj, [f.name for f in fields(cls)], _WHERE, _KEY_HINTS)
         return cls(**obj)
@@ -303,14 +304,25 @@ def draft_config_path(model: str) -> Path | None:
 
 def read_draft_config(path: Path | str) -> dict[str, Any]:
     """Plain JSON, no remote code: all the schema needs to infer the method and k."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{_WHERE}: draft config {path} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{_WHERE}: draft config {path} holds {type(obj).__name__}; "
-                         "expected a JSON object")
-    return obj
+    return read_json(path, what=f"{_WHERE}.model's config")
+
+
+def checkpoint_method(draft: dict[str, Any]) -> str | None:
+    """The method a drafter's config.json declares (speculators type, MLP speculator), if any."""
+    kind = draft.get("speculators_model_type")
+    if kind is None and draft.get("model_type") in ("mlp_speculator", "medusa"):
+        kind = draft["model_type"]
+    return kind
+
+
+def _check_method_fits(method: str, draft: dict[str, Any], path: Path | None) -> None:
+    """A checkpoint served under another method fails later with a misleading shape or key
+    error (an EAGLE-3 head read as EAGLE-1 blames the target's config), so say it here."""
+    declared = checkpoint_method(draft)
+    if declared is not None and declared != method:
+        raise ConfigError(f"{_WHERE}: method {method!r} does not fit the checkpoint {path}: its "
+                          f"config.json declares a {declared!r} drafter; use method "
+                          f"{declared!r} (or omit method to infer it)")
 
 
 def _infer_method(model: str | None, draft: dict[str, Any], path: Path | None) -> str:
@@ -319,13 +331,11 @@ def _infer_method(model: str | None, draft: dict[str, Any], path: Path | None) -
         raise config_error("method", None, f"one of {', '.join(METHODS)}, or a 'model' to infer "
                                            "it from (both 'method' and 'model' are missing)",
                            _WHERE)
-    kind = draft.get("speculators_model_type")
+    kind = checkpoint_method(draft)
     if kind is not None:
         _check_choice("speculators_model_type", kind, f"{_WHERE}: draft config {path}",
                       choices=METHODS)
         return kind
-    if draft.get("model_type") in ("mlp_speculator", "medusa"):
-        return draft["model_type"]
     path_obj = Path(model)  # the checkpoint's own name, not the directories above it
     name = (path_obj.parent.name if path_obj.suffix == ".json" else path_obj.name).lower()
     if "eagle3" in name:

@@ -10,11 +10,11 @@ the harness and training's in-loop evaluation run many configurations on one loa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from infer.files import load_tokenizer
 from infer.models.llama import Llama
 from infer.models.loader import DTYPES, load_model
 from infer.validation import config_error
@@ -56,7 +56,7 @@ class Target:
             raise config_error("max_model_len", max_model_len,
                                f"<= the model's max_position_embeddings "
                                f"({cfg.max_position_embeddings})", _WHERE)
-        tok = _load_tokenizer(tokenizer or path)
+        tok = load_tokenizer(tokenizer or path, required=tokenizer is not None)
         device = next(model.parameters()).device
         return cls(str(path), model, tok, frozenset(cfg.eos_token_ids) | _tokenizer_eos(tok),
                    device, limit)
@@ -81,16 +81,6 @@ def _resolve_dtype(dtype: str, device: torch.device) -> str | torch.dtype:
     if dtype == "auto":
         return "auto" if device.type == "cuda" else torch.float32
     return DTYPES[dtype]
-
-
-def _load_tokenizer(path: str):
-    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
-    p = Path(path)
-    if not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(p))
 
 
 def _tokenizer_eos(tokenizer) -> frozenset[int]:

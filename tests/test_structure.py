@@ -109,8 +109,8 @@ def test_light_helpers_import_without_torch():
     """What ``train/`` (and the entry points' config) use from ``infer/`` loads without torch
     or the engine: ``import infer.validation`` in a fresh process stays cheap."""
     code = ("import sys, infer.validation, infer.atomic, infer.registry, infer.config_docs, "
-            "infer.data_sources; print(sorted(m for m in ('torch', 'infer.engine', 'datasets') "
-            "if m in sys.modules))")
+            "infer.data_sources, infer.config, infer.sampling_params; "
+            "print(sorted(m for m in ('torch', 'infer.engine', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"

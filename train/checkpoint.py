@@ -11,26 +11,35 @@ Layout (one folder per stage; ``main`` directly under ``checkpoints``)::
 
 A checkpoint is written into ``.tmp-step_N`` and renamed by the main process once every rank has
 written its part, and ``trainer_state.json`` is its last file: a folder named ``step_N`` is
-always complete, so a job killed while saving resumes from the previous one.
+always complete, so a job killed while saving resumes from the previous one. What such a kill
+leaves (``.tmp-step_N``, a pruned or replaced checkpoint moved aside as ``.step_N.old-*``) is
+deleted by the main process when the next run of the stage starts (``remove_temporaries``).
+Files and folders get the umask's permissions (``umask_modes``: safetensors writes 0600 files),
+so a checkpoint is as readable as its folder.
 
 The fingerprint covers what makes a saved state meaningless for this run (drafter, objective,
-data, target, seed, stage, batch geometry). Optimizer hyperparameters (lr, schedule, clipping,
-step budget) are deliberately outside it: resuming a diverged run with a lower ``trainer.lr``, or
-a finished one with a larger ``trainer.max_steps``, is a normal thing to do.
+data, target, regeneration, the features the objective sees, seed, stage, batch geometry);
+``regenerate.batch_size`` only when answers are sampled (it changes them then), the feature
+dtype only when features are cached. Optimizer hyperparameters (lr, schedule, clipping, step
+budget) and the device are deliberately outside it: resuming a diverged run with a lower
+``trainer.lr``, or a finished one with a larger ``trainer.max_steps``, is a normal thing to do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from infer.atomic import atomic_dir, replace_dir
+from infer.atomic import atomic_dir, remove_leftovers, replace_dir, temp_path, umask_modes
+from infer.errors import ConfigError, FileFormatError, MissingFileError
 from train import fingerprint
 from train.fingerprint import digest
+from train.regenerate import batch_size_matters
 
 STATE_FILE = "trainer_state.json"
 DRAFTER_DIR = "drafter"
@@ -38,10 +47,10 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # Sections of TrainConfig a checkpoint depends on, and the trainer keys that fix the batches.
 _COMPAT_SECTIONS = ("target", "data", "regenerate", "drafter", "objective")
 _COMPAT_TRAINER = ("micro_batch_size", "grad_accum")
-_COMPAT_IGNORED = {"data.num_proc", "regenerate.batch_size"}  # speed only
+_COMPAT_IGNORED = {"data.num_proc"}  # speed only (packing runs in one process whatever it is)
 
 
-class IncompatibleCheckpoint(ValueError):
+class IncompatibleCheckpoint(ConfigError):
     """The checkpoint to resume from was written by a run with different settings."""
 
 
@@ -81,11 +90,20 @@ def compat_config(cfg: Any, stage: str, world_size: int) -> dict[str, Any]:
     """Flat ``{"section.key": value}`` of everything a resumable state depends on."""
     out: dict[str, Any] = {"stage": stage, "seed": getattr(cfg, "seed", None),
                            "num_processes": world_size}
+    ignored = set(_COMPAT_IGNORED)
+    regen = getattr(cfg, "regenerate", None)
+    if regen is None or not batch_size_matters(regen):  # greedy: the same answers at any batch
+        ignored.add("regenerate.batch_size")
     for name in _COMPAT_SECTIONS:
         section = _as_dict(getattr(cfg, name, None))
         for key, value in sorted((section or {}).items()):
-            if f"{name}.{key}" not in _COMPAT_IGNORED:
+            if f"{name}.{key}" not in ignored:
                 out[f"{name}.{key}"] = value
+    features = getattr(cfg, "features", None)
+    if features is not None:  # what the objective sees: the cache's dtype only when offline
+        out["features.mode"] = features.mode
+        if features.mode == "offline":
+            out["features.dtype"] = features.dtype
     for key in _COMPAT_TRAINER:
         out[f"trainer.{key}"] = getattr(cfg.trainer, key)
     return json.loads(json.dumps(out, default=str))  # plain JSON values (tuples -> lists)
@@ -112,7 +130,7 @@ def resolve_resume(resume: str, root: Path) -> Path | None:
     found = list_checkpoints(path)
     if found:
         return found[-1]
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"trainer.resume={resume!r}: no checkpoint there (expected a folder with {STATE_FILE}, "
         f"e.g. {root / step_dir_name(100)}, or one holding step_N folders); use "
         "trainer.resume=auto (latest of this run) or trainer.resume=never (start over)")
@@ -129,18 +147,70 @@ def check_compatible(path: Path, state: dict[str, Any], compat: dict[str, Any]) 
                           "different output_dir / name."))
 
 
+def load_state(accelerator, path: Path) -> None:
+    """``accelerator.load_state(path)`` that loads weights only, or refuses the checkpoint.
+
+    A checkpoint folder is a file anyone can hand over (``trainer.resume=PATH``), and
+    ``optimizer.bin``, ``scheduler.bin`` and ``random_states_<rank>.pkl`` are pickles: accelerate
+    (>= 1.1, pyproject.toml) reads them with ``weights_only=True``, so a pickle that would run
+    code fails instead. A refused optimizer or scheduler surfaces here as one error naming the
+    folder. A refused (or missing) RNG file accelerate only logs and resumes with the wrong RNG
+    (a silently inexact resume, the tampering unnoticed), so that file is read first, the same
+    way (``accelerate.utils.load``: weights_only, numpy's RNG types allowed), and refused by name.
+    DeepSpeed and FSDP shards are read by their own loaders, not through these calls.
+    """
+    import pickle
+
+    from accelerate.utils import load as weights_only_load
+
+    rng = path / f"random_states_{accelerator.process_index}.pkl"
+    if not rng.is_file():
+        raise MissingFileError(f"checkpoint {path}: {rng.name} is missing, so the random state "
+                               "cannot be restored; resume from another checkpoint or start over "
+                               "with trainer.resume=never")
+    try:
+        weights_only_load(rng)
+    except Exception as err:  # noqa: BLE001 - refused global, truncated, not a pickle: unusable
+        raise _refused(path, rng.name, err) from None
+    try:
+        accelerator.load_state(str(path))
+    except pickle.UnpicklingError as err:
+        raise _refused(path, "one of its pickles (optimizer.bin, scheduler.bin ...)", err) from None
+
+
+def _refused(path: Path, what: str, err: Exception) -> FileFormatError:
+    """The error naming the file; torch's own message opens with advice to load with
+    ``weights_only=False`` (exactly what must not happen here), so only its reason is kept."""
+    reasons = [line.strip() for line in str(err).splitlines()
+               if line.strip() and not line.startswith("Weights only load failed")]
+    reason = (reasons or [type(err).__name__])[0][:200]
+    return FileFormatError(
+        f"checkpoint {path}: {what} cannot be loaded as weights only (weights_only=True: "
+        f"{reason}); it is not a state this trainer wrote, or it is damaged. Resume from "
+        "another checkpoint, or start over with trainer.resume=never")
+
+
 def remove_checkpoints(root: Path) -> list[Path]:
     """Delete every checkpoint (and leftover temporary folder) of one stage; main process."""
     removed = list_checkpoints(root)
     for p in removed:
-        shutil.rmtree(p)
+        _delete(p)
     remove_temporaries(root)
     return removed
 
 
+def _delete(path: Path) -> None:
+    """Rename a checkpoint aside, then delete it: a kill midway never leaves a ``step_N``
+    folder that still has its state file but lacks weights (``remove_temporaries`` finishes)."""
+    aside = temp_path(path, "old")
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def remove_temporaries(root: Path) -> None:
     """Folders of killed writes: ``.tmp-step_N`` (being written) and ``.step_N.old-*`` (an
-    earlier run's same-step checkpoint, moved aside by ``replace_dir``)."""
+    earlier run's same-step checkpoint moved aside by ``replace_dir``, or one being deleted).
+    Main process, before any rank writes checkpoints of this stage."""
     if root.is_dir():
         for p in [*root.glob(".tmp-step_*"), *root.glob(".step_*.old-*")]:
             shutil.rmtree(p, ignore_errors=True)
@@ -150,7 +220,7 @@ def prune(root: Path, keep_last: int) -> None:
     """Keep the newest ``keep_last`` checkpoints of this stage (0 or less keeps all)."""
     if keep_last > 0:
         for p in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(p, ignore_errors=True)
+            _delete(p)
 
 
 def save_checkpoint(accelerator, model, objective, root: Path, state: dict[str, Any]) -> Path:
@@ -172,6 +242,7 @@ def save_checkpoint(accelerator, model, objective, root: Path, state: dict[str, 
     accelerator.wait_for_everyone()  # every rank's RNG / shard files are in tmp
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+        umask_modes(tmp)  # safetensors writes 0600 files: readable as the umask allows
         replace_dir(tmp, final)  # over a previous run's checkpoint of this step (resume=never)
     accelerator.wait_for_everyone()
     return final
@@ -179,7 +250,9 @@ def save_checkpoint(accelerator, model, objective, root: Path, state: dict[str, 
 
 def export_atomically(objective, state_dict: dict | None, dest: str | Path) -> Path:
     """``objective.export`` into a temporary sibling, then swap it in: ``dest`` is never half
-    written, and a served drafter is replaced only by a complete one. Main process only."""
+    written, and a served drafter is replaced only by a complete one. Main process only: it
+    first deletes what killed exports of ``dest`` left beside it."""
+    remove_leftovers(dest)
     with atomic_dir(dest) as tmp:
         objective.export(tmp, state_dict)
     return Path(dest)

@@ -14,6 +14,7 @@ deltas only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import List, Optional
 
@@ -22,7 +23,8 @@ from omegaconf import OmegaConf
 
 from infer.config import Dtype, EvalConfig, LoggerKind
 from infer.config_docs import register_help_resolver
-from infer.validation import StrChoice
+from infer.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
+                              check_int, check_list, check_str, config_error)
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "tiny_eagle3"
@@ -130,7 +132,8 @@ class RegenerateConfig:
     max_tokens: int = 256
     """Tokens per answer."""
     batch_size: int = 8
-    """Requests decoded together (the engine's max_num_seqs)."""
+    """Requests decoded together (the engine's max_num_seqs). Sampled answers depend on it, so
+    a sampled regeneration resumes only with the same value; greedy answers do not."""
     max_model_len: Optional[int] = None
     """Context length of the rewrite; None: the target's."""
     num_examples: Optional[int] = None
@@ -232,6 +235,9 @@ class TrainerConfig:
 
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
+    num_threads: Optional[int] = None
+    """CPU torch threads of training and its evaluation; None: one per core other
+    processes leave free, re-checked while running (infer/threads.py)."""
     weight_decay: float = 0.0
     """AdamW weight decay of matrices (norms and biases get none)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -330,6 +336,97 @@ class TrainConfig:
     def final_dir(self) -> Path:
         """The stable path of the trained drafter, e.g. ``outputs/tiny_eagle3/final``."""
         return self.run_dir / "final"
+
+    def validate(self) -> None:
+        """Every key of every section, named by its dotted path (``eval.ks[0]``), checked before
+        any work starts (``train/pipeline.py``): hours of regeneration, caching and training
+        must not end in an error a look at the config could have given. What needs the target
+        or a file (layer ids, vocabulary, checkpoints) is checked where those are first read."""
+        check_fields(self, "", _TOP_RULES, WHERE)
+
+
+# ---- validation rules: one per field, called as rule(key, value, where=...) ---------------------
+
+WHERE = "train config"
+
+
+def validate_section(name: str, section) -> None:
+    """One section by its rules (``validate_section("trainer", cfg.trainer)``), for code handed
+    only a section or a stage's modified copy of it (the trainer, ``regenerate``, objectives)."""
+    check_fields(section, name, _SECTION_RULES[name], WHERE)
+
+
+def _check_betas(key: str, value, where: str) -> None:
+    if (isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                       for b in value)):
+        raise config_error(key, list(value) if hasattr(value, "__iter__") else value,
+                           "two numbers in [0, 1)", where)
+
+
+def _check_device(key: str, value, where: str) -> None:
+    if check_choice(key, value, Device, where) == Device.cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise config_error(key, value, "auto or cpu (no CUDA device is visible)", where)
+
+
+def _nested(key: str, value, where: str, *, name: str) -> None:
+    check_fields(value, key, _SECTION_RULES[name], where)
+
+
+def _eval(key: str, value, where: str) -> None:
+    value.validate(where)
+
+
+def _choice(choices, optional: bool = False):
+    return partial(check_choice, choices=choices, optional=optional)
+
+
+_opt_str, _flag = partial(check_str, optional=True), check_bool
+_pos, _nonneg = partial(check_int, minimum=1), partial(check_int, minimum=0)
+_opt_pos, _opt_nonneg = (partial(check_int, minimum=m, optional=True) for m in (1, 0))
+_weight, _fraction = partial(check_float, low=0.0), partial(check_float, low=0.0, high=1.0)
+_positive = partial(check_float, low=0.0, low_open=True)
+_share = partial(check_float, low=0.0, high=1.0, low_open=True)  # (0, 1]
+_seed = partial(check_int, minimum=0, maximum=2**32 - 1)  # numpy's range (set_seed, shuffles)
+_SECTION_RULES = {
+    "target": {"path": _opt_str, "dtype": _choice(Dtype)},
+    "data": {"source": _opt_str, "format": _choice(DataFormat, True), "split": check_str,
+             "max_length": partial(check_int, minimum=2), "num_examples": _pos, "num_proc": _pos,
+             "seed": _seed, "pack": _flag, "enable_thinking": partial(check_bool, optional=True)},
+    "regenerate": {"enabled": _flag, "temperature": _weight, "top_p": _share, "max_tokens": _pos,
+                   "batch_size": _pos, "max_model_len": partial(check_int, minimum=2,
+                                                                optional=True),
+                   "num_examples": _opt_pos},
+    "features": {"mode": _choice(FeatureMode), "cache_dir": _opt_str,
+                 "dtype": _choice(StorageDtype), "rows_per_shard": _pos, "batch_size": _pos},
+    "drafter": {"method": check_str, "draft_vocab_size": _pos,
+                "aux_layer_ids": partial(check_list, item=_nonneg, optional=True),
+                "intermediate_size": _opt_pos, "norm_before_residual": _flag,
+                "norm_output": _flag, "fc_norm": _flag, "norm_before_fc": _flag,
+                "lm_head_init": _choice(LmHeadInit), "embed_requires_grad": _flag,
+                "n_predict": _pos, "inner_dim": _nonneg, "tie_weights": _flag,
+                "scale_input": _flag, "model": _opt_str, "mask_token_id": _opt_nonneg,
+                "init_from": _opt_str},
+    "objective": {"ttt_steps": _pos, "step_weight": _weight, "feature_noise": _weight,
+                  "regression_weight": _weight, "ce_weight": _weight, "kd_weight": _weight,
+                  "pard_k": _pos, "cod_ratio": _share, "cod_min": _share, "stage2_steps": _nonneg,
+                  "stage2_lr_factor": _positive, "stage2_warmup_steps": _opt_nonneg,
+                  "stage2_min_lr_ratio": _fraction},
+    "trainer": {"lr": _positive, "weight_decay": _weight, "betas": _check_betas,
+                "max_grad_norm": _weight, "schedule": _choice(Schedule), "warmup_steps": _nonneg,
+                "warmup_ratio": _fraction, "min_lr_ratio": _fraction, "epochs": _positive,
+                "max_steps": _opt_pos, "micro_batch_size": _pos, "grad_accum": _pos,
+                "mixed_precision": _choice(Precision), "log_every": _pos, "save_every": _nonneg,
+                "keep_last": _nonneg, "resume": check_str, "num_workers": _nonneg,
+                "device": _check_device, "num_threads": _opt_pos},
+    "logger": {"kind": _choice(LoggerKind), "project": check_str, "run_name": _opt_str,
+               "mode": _choice(WandbMode, True)},
+}
+_TOP_RULES = {"name": check_str, "output_dir": check_str, "seed": _seed, "eval": _eval,
+              **{name: partial(_nested, name=name) for name in _SECTION_RULES}}
 
 
 def recipe_names() -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from infer.errors import ConfigError
 from infer.eval.harness import HarnessConfig, expand_matrix, run_harness
 from infer.eval.prompt_sets import load_prompts, render_prompt
 from infer.eval.results import HarnessReport
@@ -23,12 +24,12 @@ from train.config import TrainConfig
 def eval_prompts(cfg: TrainConfig, target_dir: str) -> list[Any]:
     """``eval.dataset`` rendered with the target's chat template, else held-out code prompts
     (each sent as one user message, as the drafter saw its training prompts)."""
-    from transformers import AutoTokenizer
+    from infer.files import load_tokenizer
 
     from train.tiny.examples import heldout_prompts
 
     ev = cfg.eval
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, key="target.path")
     kwargs = template_kwargs(cfg)
     if ev.dataset:
         return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
@@ -44,9 +45,9 @@ def template_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     ev, data = dict(cfg.eval.chat_template_kwargs or {}), cfg.data.template_kwargs
     for key, value in data.items():
         if key in ev and ev[key] != value:
-            raise ValueError(f"eval.chat_template_kwargs.{key}={ev[key]!r} contradicts "
-                             f"data.{key}={value!r}: the drafter would be evaluated on prompts "
-                             f"rendered unlike its training data; set only data.{key}")
+            raise ConfigError(f"eval.chat_template_kwargs.{key}={ev[key]!r} contradicts "
+                              f"data.{key}={value!r}: the drafter would be evaluated on prompts "
+                              f"rendered unlike its training data; set only data.{key}")
     return {**ev, **data}
 
 
@@ -86,7 +87,8 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
     report = run_harness(target_dir, harness_configs(cfg, drafter_spec, target_dir),
                          eval_prompts(cfg, target_dir), max_tokens=ev.max_tokens,
                          output_dir=out, logger=logger, device=device, seed=cfg.seed,
-                         ignore_eos=ev.ignore_eos, warmup=ev.warmup, step=step, prefix="eval")
+                         ignore_eos=ev.ignore_eos, warmup=ev.warmup, step=step, prefix="eval",
+                         num_threads=cfg.trainer.num_threads)
     print(summary(report))
     print(f"acceptance report: {out}/results.md")
     return report

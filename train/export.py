@@ -134,7 +134,7 @@ def sglang_config(config: Eagle3Config, where: str = "export_sglang") -> dict:
 
 def export_sglang(speculators_dir: str | Path, out_dir: str | Path) -> Path:
     """Convert a speculators EAGLE-3 checkpoint into SGLang's layout in ``out_dir`` (atomic)."""
-    raw, state, model_dir = read_checkpoint(speculators_dir)
+    raw, state, model_dir = read_checkpoint(speculators_dir, "eagle3")
     config = Eagle3Config.from_dict(raw)
     config_json = sglang_config(config, f"export_sglang({model_dir})")
     tensors = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm", action="store_true", help="print the vLLM requirements only")
     args = ap.parse_args(argv)
     if args.vllm:
-        raw, _, _ = read_checkpoint(args.speculators_dir)
+        raw, _, _ = read_checkpoint(args.speculators_dir, "eagle3")
         print(vllm_report(Eagle3Config.from_dict(raw)))
         return
     if args.out_dir is None:

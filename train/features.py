@@ -32,7 +32,9 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from infer.atomic import atomic_file, write_text
+from infer.atomic import atomic_file, remove_leftovers, write_text
+from infer.errors import FileFormatError, MissingFileError
+from infer.files import open_safetensors, read_json
 from infer.models.llama import Llama
 from infer.models.loader import (load_config, load_model, native_name, resolve_dtype,
                                  resolve_model_dir, weight_files)
@@ -87,18 +89,18 @@ def load_target_heads(target_dir: str | Path, dtype: str | torch.dtype = "auto",
     """
     model_dir = resolve_model_dir(target_dir)
     config = load_config(model_dir)
-    torch_dtype = resolve_dtype(dtype, json.loads((model_dir / "config.json").read_text()))
+    torch_dtype = resolve_dtype(dtype, read_json(model_dir / "config.json"))
     wanted = {"embed_tokens.weight"} | ({"lm_head.weight"} if not config.tie_word_embeddings
                                         else set())
     found: dict[str, Tensor] = {}
     for file in weight_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for hf_name in f.keys():
                 if native_name(hf_name) in wanted:
                     found[native_name(hf_name)] = f.get_tensor(hf_name).to(device, torch_dtype)
     if set(found) != wanted:
-        raise ValueError(f"checkpoint {model_dir}: missing {sorted(wanted - set(found))} "
-                         f"(expected the embedding and, untied, the LM head)")
+        raise FileFormatError(f"checkpoint {model_dir}: missing {sorted(wanted - set(found))} "
+                              "(expected the embedding and, untied, the LM head)")
     embed = nn.Embedding.from_pretrained(found["embed_tokens.weight"], freeze=True)  # [V, H]
     with torch.device("meta"):
         lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -294,11 +296,10 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
                         barrier: Callable[[], None] | None = None) -> Path:
     """Precompute the target features of every packed row into ``cache_dir`` (layout above).
 
-    Resumable: shards are written atomically and complete matching ones are skipped, so rerunning
-    after an interruption computes only the missing shards (the target model is not even loaded
-    when none is missing). Shard i is computed by rank ``i % world_size``; after ``barrier()``
-    rank 0 writes ``index.json``, then every rank waits at a second ``barrier()``. Returns the
-    cache dir.
+    Resumable: shards are written atomically, complete matching ones are skipped (unreadable
+    ones recomputed) and rank 0 deletes killed writes' temporaries before a first ``barrier()``,
+    so a rerun computes only the missing shards (no target load if none). Shard i is rank ``i %
+    world_size``'s; after a second ``barrier()`` rank 0 writes ``index.json``, all wait at a third.
     """
     if not spec.needs_target:
         raise ValueError(f"build_feature_cache: {spec} asks for no target features")
@@ -311,6 +312,9 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     cache, barrier = Path(cache_dir), barrier or (lambda: None)
     cache.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # a killed shard write leaves GBs; no rank of this run writes here yet
+        remove_leftovers(cache / "*")
+    barrier()
     fp = cache_fingerprint(target.dir, dataset, spec, dtype, target.dtype, rows_per_shard)
     dims = _feature_dims(spec, load_config(target.dir).hidden_size)
     n, T = fp["num_rows"], fp["seq_len"]
@@ -415,10 +419,10 @@ class CachedFeatureRows(torch.utils.data.Dataset):
         index_path = cache / "index.json"
         if not index_path.is_file():
             found = sorted(p.name for p in cache.glob("shard_*.safetensors"))
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"feature cache {cache} is incomplete: no index.json ({len(found)} shard files "
                 "present); run build_feature_cache / train.py with features.mode=offline to finish")
-        index = json.loads(index_path.read_text())
+        index = read_json(index_path, required=("fingerprint", "shards"))
         fp, current = index["fingerprint"], _dataset_id(dataset)
         if spec is not None:
             current |= {"aux_layer_ids": list(spec.aux_layer_ids), "hidden": bool(spec.hidden)}
@@ -426,7 +430,7 @@ class CachedFeatureRows(torch.utils.data.Dataset):
         missing = [s["file"] for s in index["shards"] if not (cache / s["file"]).is_file()
                    or (cache / s["file"]).stat().st_size != s["bytes"]]
         if missing:
-            raise FileNotFoundError(f"feature cache {cache} is incomplete: missing or changed "
+            raise MissingFileError(f"feature cache {cache} is incomplete: missing or changed "
                                     f"shards {', '.join(missing)}; rerun the build to recompute")
         self.rows, self.index = PlainRows(dataset), index
         self.rows_per_shard = int(fp["rows_per_shard"])

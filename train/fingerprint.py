@@ -13,6 +13,8 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping
 
+from infer.errors import ConfigError
+
 
 def digest(fingerprint: Mapping[str, Any], length: int = 16) -> str:
     """A short stable hash of a fingerprint (key order does not matter)."""
@@ -30,11 +32,11 @@ def differences(saved: Mapping[str, Any], current: Mapping[str, Any],
 
 def check(saved: Mapping[str, Any], current: Mapping[str, Any], *, subject: str, held: str,
           remedy: str, keys: Iterable[str] | None = None, ignore: Iterable[str] = (),
-          error: type[Exception] = ValueError) -> None:
+          error: type[Exception] = ConfigError) -> None:
     """Raise ``error`` when ``saved`` (what ``subject`` was built with) and ``current`` (this
     run) differ, e.g. "feature cache X was built for a different 'dtype': cache has 'float32',
     this run has 'bfloat16'. Delete X ..." (``held`` says who has the saved value: "cache
-    has")."""
+    has"). A user error by default: the user chose settings that differ from the saved ones."""
     diff = differences(saved, current, keys, ignore)
     if not diff:
         return

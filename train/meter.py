@@ -5,6 +5,7 @@ at each log step."""
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -40,21 +41,24 @@ class Meter:
         for key, value in out.metrics.items():
             self.sums[key] = self.sums.get(key, 0) + value.detach().float()
 
-    def end_step(self, accelerator, grad_norm) -> tuple[float, int, float]:
-        """The step's (loss, tokens, grad norm) over all ranks: the one host sync per step."""
+    def end_step(self, accelerator, grad_norm, votes: Sequence[float] = ()
+                 ) -> tuple[float, int, float, list[float]]:
+        """The step's (loss, tokens, grad norm) over all ranks: the one host sync per step.
+        ``votes``: per-rank values summed over the ranks in the same sync (returned last), so
+        that every rank sees the same decision (the trainer's stop requests) at no extra cost."""
         if isinstance(grad_norm, Tensor):
             gn = grad_norm.detach().float().reshape(()).to(self.device)
         else:  # DeepSpeed reports a float (None before its first step)
             gn = self._scalar(0.0 if grad_norm is None else grad_norm)
         stats = torch.stack([self.loss, self._scalar(self.micro), self._scalar(self.tokens),
-                             gn])  # [4]
-        loss_sum, micro, tokens, gn_sum = accelerator.reduce(stats, "sum").tolist()
+                             gn, *(self._scalar(v) for v in votes)])  # [4 + len(votes)]
+        loss_sum, micro, tokens, gn_sum, *voted = accelerator.reduce(stats, "sum").tolist()
         self._new_step()
         loss, gn = loss_sum / micro, gn_sum / accelerator.num_processes
         self.steps += 1
         self.loss_sum, self.gn_sum, self.window_tokens = (
             self.loss_sum + loss, self.gn_sum + gn, self.window_tokens + int(tokens))
-        return loss, int(tokens), gn
+        return loss, int(tokens), gn, voted
 
     def log_values(self, accelerator) -> dict[str, float]:
         """Window averages (rank mean of metrics); resets the window."""

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import datasets
 
-from infer.atomic import atomic_dir
+from infer.atomic import atomic_dir, remove_leftovers
+from infer.errors import check_writable
 from infer.models.loader import load_config
+from infer.signals import raise_on_signals
 from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset
 from train.features import FeatureSource, FrozenTarget, make_feature_source
@@ -52,8 +54,50 @@ class RunResult:
     report: object = None  # infer.eval.results.HarnessReport (None: eval off / not rank 0)
 
 
+RESUME_NOTE = ("finished work is kept (regenerated chunks, feature-cache shards, checkpoints); "
+               "rerun the same command to resume")
+
+
 def run(cfg: TrainConfig) -> RunResult:
-    """``python train.py``: every stage, then the acceptance report (see the module doc)."""
+    """``python train.py``: every stage, then the acceptance report (see the module doc).
+
+    The output folders are checked for writability first. SIGINT / SIGTERM raise
+    ``infer.errors.Interrupted`` (exit 130 / 143 at the entry point): at once outside the
+    training loop, where every phase resumes from what it finished (temporaries of writes in
+    progress are removed as the exception unwinds), and after checkpointing the current step
+    inside it (train/trainer.py)."""
+    validate(cfg)
+    check_outputs(cfg)
+    with raise_on_signals(RESUME_NOTE):
+        return _run(cfg)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every configuration value before any work starts (a bad ``eval.ks`` used to surface after
+    the whole training run): each key (``TrainConfig.validate``), the objective's name, an
+    explicit ``trainer.resume`` checkpoint, and eval's chat-template variables against the
+    data's. Later stages re-check what they are handed, through the same rules."""
+    from train.checkpoint import checkpoint_root, resolve_resume
+    from train.evaluate import template_kwargs
+
+    cfg.validate()
+    OBJECTIVES.get(cfg.drafter.method)
+    if cfg.trainer.resume not in ("auto", "never"):
+        resolve_resume(cfg.trainer.resume, checkpoint_root(cfg.run_dir, "main"))
+    template_kwargs(cfg)
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Every folder the run writes can be created and written, checked before any work starts
+    (a permission error after hours of training would lose them)."""
+    check_writable(cfg.run_dir, "output_dir")
+    for key, value in (("features.cache_dir", cfg.features.cache_dir),
+                       ("eval.output_dir", cfg.eval.output_dir)):
+        if value:
+            check_writable(value, key)
+
+
+def _run(cfg: TrainConfig) -> RunResult:
     from accelerate import PartialState
     from accelerate.utils import set_seed
 
@@ -150,10 +194,10 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = T
                  ) -> PreparedData:
     """Tokenized, loss-masked, packed training data plus its draft vocabulary, saved to disk
     (``save``: by the main process only; the other ranks rebuild the same from the caches)."""
-    from transformers import AutoTokenizer
+    from infer.files import load_tokenizer
 
     target_dir = target_dir or resolve_target(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, key="target.path")
     raw = load_examples(cfg)
     if cfg.regenerate.enabled:
         raw = regenerated(cfg, target_dir, raw, "regenerated")
@@ -162,6 +206,7 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = T
     vocab = build_draft_vocab(ds, vocab_size, min(cfg.drafter.draft_vocab_size, vocab_size))
     data_dir = cfg.run_dir / "data"
     if save:
+        remove_leftovers(data_dir / "*")  # of killed writes; the main process alone writes here
         with atomic_dir(data_dir / "dataset") as tmp:
             ds.save_to_disk(str(tmp))
         vocab.save(data_dir)
@@ -184,11 +229,11 @@ def stage_rows(cfg: TrainConfig, stage: Stage, prepared: PreparedData,
     the target itself (regenerated under ``<run_dir>/<stage>_data``)."""
     if stage.data == StageData.dataset:
         return prepared.dataset
-    from transformers import AutoTokenizer
+    from infer.files import load_tokenizer
 
     with state.main_process_first():
         raw = regenerated(cfg, prepared.target_dir, prepared.raw, f"{stage.name}_data")
-        return tokenize(cfg, raw, AutoTokenizer.from_pretrained(prepared.target_dir))
+        return tokenize(cfg, raw, load_tokenizer(prepared.target_dir, key="target.path"))
 
 
 def feature_source(cfg: TrainConfig, target: FrozenTarget, objective: Objective,
@@ -213,13 +258,13 @@ def train_stage(cfg: TrainConfig, objective: Objective, source: FeatureSource, s
     when given; its own returned with ``keep_optimizer_state``, for a next stage that carries it
     over); the ``last`` stage also gathers the objective's state for the export; ``served``
     measures served acceptance every ``eval.every_steps``."""
-    from transformers import AutoTokenizer
+    from infer.files import load_tokenizer
 
     from train.trainer import train
 
     stage_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
                                                                      **stage.trainer))
-    pad_id = pad_token_id(AutoTokenizer.from_pretrained(prepared.target_dir))
+    pad_id = pad_token_id(load_tokenizer(prepared.target_dir, key="target.path"))
     return train(stage_cfg, objective, source, pad_id=pad_id, run_dir=cfg.run_dir, logger=logger,
                  stage=stage.name, gather_state=last, optimizer_state=optimizer_state,
                  keep_optimizer_state=keep_optimizer_state, served=served)

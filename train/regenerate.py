@@ -24,13 +24,16 @@ invented terminator; rows the pipeline cannot use and answers whose prompt excee
 template here exactly as in the data pipeline and the evaluation prompts.
 
 ``out_dir`` holds ``chunk_NNNNN.jsonl`` (input format, same columns, answers replaced; each
-written atomically when its chunk completes, so a rerun resumes at the missing chunks; the
+written atomically when its chunk completes, so a rerun resumes at the missing chunks, after
+deleting what a killed write left behind; the
 sampling RNG is re-seeded per chunk, so resumed data equals an uninterrupted run's),
 ``stats.json`` (per-chunk counts) and ``dataset/`` (the combined ``save_to_disk`` folder, written
 atomically last; ``load_source`` reads it). ``fingerprint.json`` records the inputs (target,
 settings, dataset digest): a rerun into the same ``out_dir`` with other inputs is an error
-naming the field; delete ``out_dir`` (or use another) to start over. ``batch_size`` and
-``device`` only change speed and are not recorded.
+naming the field; delete ``out_dir`` (or use another) to start over. The device type is
+recorded (CPU answers in float32 and CUDA ones in the checkpoint's dtype differ), and so is
+``batch_size`` when answers are sampled (``batch_size_matters``); a greedy ``batch_size`` only
+changes speed and is not.
 """
 
 from __future__ import annotations
@@ -46,14 +49,15 @@ from typing import Any, Callable
 import datasets
 from tqdm.auto import tqdm
 
-from infer.atomic import atomic_dir, write_text
-from infer.validation import check_float, check_int
+from infer.atomic import atomic_dir, remove_leftovers, write_text
+from infer.validation import check_int
 from train import fingerprint
+from train.config import validate_section
 from train.data_formats import (TRUNCATED_COLUMN, SkipRow, added_special_tokens, detect_format,
                                 render, row_to_messages)
 
 _WHERE = "regenerate"
-_VERSION = 3  # 3: truncated_turns column, template_kwargs
+_VERSION = 4  # 3: truncated_turns column, template_kwargs; 4: device, sampled batch_size
 _TARGET_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -79,16 +83,27 @@ def _target_digest(target_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
+def batch_size_matters(cfg) -> bool:
+    """Whether ``cfg.batch_size`` changes the answers: when they are sampled. One generator,
+    re-seeded per chunk, feeds every running request, so another batch size hands each request
+    other random numbers (every answer of a sampled run changes); greedy answers came out
+    token-identical at batch 1 and 8 on the tiny target."""
+    return float(cfg.temperature) > 0
+
+
 def inputs_fingerprint(dataset: datasets.Dataset, target_dir: str, cfg, fmt: str, seed: int,
-                       chunk_size: int, template_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Everything that changes the regenerated rows (a resumed run must match all of it)."""
+                       chunk_size: int, template_kwargs: dict[str, Any],
+                       device: str = "cpu") -> dict[str, Any]:
+    """Everything that changes the regenerated rows (a resumed run must match all of it);
+    ``device``: the engine's device type."""
     return {"version": _VERSION, "template_kwargs": dict(sorted(template_kwargs.items())),
             "target_dir": str(Path(target_dir).resolve()),
             "target_files": _target_digest(target_dir), "temperature": float(cfg.temperature),
             "top_p": float(cfg.top_p), "max_tokens": int(cfg.max_tokens),
             "max_model_len": cfg.max_model_len, "format": fmt, "seed": seed,
             "chunk_size": chunk_size, "rows": len(dataset),
-            "rows_digest": _dataset_digest(dataset)}
+            "rows_digest": _dataset_digest(dataset), "device": device,
+            "batch_size": int(cfg.batch_size) if batch_size_matters(cfg) else None}
 
 
 def _check_fingerprint(out_dir: Path, fp: dict[str, Any]) -> None:
@@ -184,11 +199,11 @@ class Regenerator:
 
     def __init__(self, target_dir: str, cfg, seed: int, device: str,
                  template_kwargs: dict[str, Any] | None = None):
-        from transformers import AutoTokenizer
+        from infer.files import load_tokenizer
 
         from infer import LLM, SamplingParams
 
-        self.tokenizer = tok = AutoTokenizer.from_pretrained(target_dir)
+        self.tokenizer = tok = load_tokenizer(target_dir, key="target.path")
         if not tok.chat_template:
             raise ValueError(f"{_WHERE}: the tokenizer of {target_dir} has no chat_template; "
                              "regeneration renders prompts with it")
@@ -277,11 +292,7 @@ def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | P
     """``dataset`` (same format, its columns plus ``TRUNCATED_COLUMN``) with every assistant
     answer written by the target; resumes from the chunks already in ``out_dir`` (see the module
     doc)."""
-    check_float("regenerate.temperature", cfg.temperature, _WHERE, low=0.0)
-    check_float("regenerate.top_p", cfg.top_p, _WHERE, low=0.0, high=1.0, low_open=True)
-    check_int("regenerate.max_tokens", cfg.max_tokens, _WHERE, minimum=1)
-    check_int("regenerate.batch_size", cfg.batch_size, _WHERE, minimum=1)
-    check_int("regenerate.max_model_len", cfg.max_model_len, _WHERE, minimum=2, optional=True)
+    validate_section("regenerate", cfg)  # a RegenerateConfig
     check_int("chunk_size", chunk_size, _WHERE, minimum=1)
     fmt = detect_format(dataset.column_names, format)
     if fmt == "text":
@@ -289,9 +300,12 @@ def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | P
                          f"{dataset.column_names}); regeneration needs a chat (openai, sharegpt) "
                          "or prompt_completion dataset, or regenerate.enabled=false")
     out_dir = Path(out_dir)
+    remove_leftovers(out_dir / "*")  # killed writes'; the pipeline runs this on one rank at a time
     kwargs = dict(template_kwargs or {})
+    from infer.target import resolve_device
+
     _check_fingerprint(out_dir, inputs_fingerprint(dataset, target_dir, cfg, fmt, seed, chunk_size,
-                                                   kwargs))
+                                                   kwargs, resolve_device(str(device)).type))
     final = out_dir / "dataset"
     if final.is_dir():
         return datasets.load_from_disk(str(final))

@@ -27,7 +27,6 @@ from typing import Any
 
 from torch import Tensor
 
-from infer.validation import check_int
 from train.features import FrozenTarget
 from train.objectives.base import Objective
 
@@ -53,8 +52,7 @@ class ServedEval:
         from train.evaluate import eval_prompts
 
         ev = cfg.eval
-        check_int("eval.every_steps", ev.every_steps, _WHERE, minimum=0)
-        check_int("eval.every_num_prompts", ev.every_num_prompts, _WHERE, minimum=1)
+        ev.validate(_WHERE)  # every_steps, every_num_prompts, ks, max_tokens ...
         if ev.every_steps == 0:
             return None
         prompts = eval_prompts(cfg, target.dir)[: ev.every_num_prompts]

@@ -6,7 +6,11 @@ module, so DDP / FSDP / DeepSpeed see the call and gradients synchronise -> back
 ``optimizer_step`` (clip, divergence check, AdamW, warmup + cosine / linear / constant schedule),
 ``log`` (every ``log_every`` steps; tqdm on rank 0) and ``checkpoint`` (atomic, exact resume:
 train/checkpoint.py). Budget and schedule: train/schedule.py; metrics and the one host sync per
-optimizer step: train/meter.py.
+optimizer step: train/meter.py. SIGINT / SIGTERM: the loop stops at the next step boundary on
+every rank, checkpointed (``train``'s doc); SIGKILL loses at most the steps since the last one.
+Under ``torchrun`` / ``accelerate launch`` a Ctrl-C reaches each rank twice (the terminal's and
+the launcher's forwarded copy: one request), and the launcher SIGKILLs ranks still running 30 s
+later (its shutdown timeout): a longer save is cut, and the previous checkpoint stays.
 
 Launch: ``python train.py`` (one process) or ``accelerate launch --config_file
 conf/accelerate/<ddp_8gpu|fsdp_8gpu|deepspeed_zero2_8gpu|cpu_2proc>.yaml train.py ...``.
@@ -17,6 +21,7 @@ are filled from it), so one recipe runs unchanged on a laptop and on 8 GPUs.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +32,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from infer.errors import Interrupted
+from infer.signals import StopRequests
+from infer.threads import GOVERNOR
 from infer.tracking import Logger
-from infer.validation import check_choice, check_float, check_int, config_error
+from infer.validation import config_error
 from train import checkpoint as ckpt
-from train.config import Device, Precision, Schedule
+from train.config import validate_section
 from train.data import collate
 from train.features import FeatureSource
 from train.fingerprint import digest
@@ -138,26 +146,9 @@ def _fill_deepspeed(accelerator, tcfg) -> None:
 
 
 def validate(tcfg, num_rows: int) -> None:
-    """Every trainer key the loop relies on, checked before any process group work."""
-    for key in ("micro_batch_size", "grad_accum", "log_every"):
-        check_int(f"trainer.{key}", getattr(tcfg, key), WHERE, minimum=1)
-    for key in ("save_every", "warmup_steps", "num_workers", "keep_last"):
-        check_int(f"trainer.{key}", getattr(tcfg, key), WHERE, minimum=0)
-    check_int("trainer.max_steps", tcfg.max_steps, WHERE, minimum=1, optional=True)
-    check_float("trainer.lr", tcfg.lr, WHERE, low=0.0, low_open=True)
-    check_float("trainer.epochs", tcfg.epochs, WHERE, low=0.0, low_open=True)
-    check_float("trainer.warmup_ratio", tcfg.warmup_ratio, WHERE, low=0.0, high=1.0)
-    check_float("trainer.min_lr_ratio", tcfg.min_lr_ratio, WHERE, low=0.0, high=1.0)
-    check_float("trainer.max_grad_norm", tcfg.max_grad_norm, WHERE, low=0.0)
-    check_float("trainer.weight_decay", tcfg.weight_decay, WHERE, low=0.0)
-    if len(tcfg.betas) != 2 or not all(0 <= b < 1 for b in tcfg.betas):
-        raise config_error("trainer.betas", list(tcfg.betas), "two numbers in [0, 1)", WHERE)
-    check_choice("trainer.schedule", tcfg.schedule, Schedule, WHERE)
-    check_choice("trainer.mixed_precision", tcfg.mixed_precision, Precision, WHERE)
-    check_choice("trainer.device", tcfg.device, Device, WHERE)
-    if tcfg.device == "cuda" and not torch.cuda.is_available():
-        raise config_error("trainer.device", "cuda", "auto or cpu (no CUDA device is visible)",
-                           WHERE)
+    """Every trainer key the loop relies on (the stage's copy: a stage may override some),
+    checked before any process group work, by the config's own rules."""
+    validate_section("trainer", tcfg)
     if num_rows == 0:
         raise ValueError("train: the training dataset is empty (0 rows); check data.source and "
                          "data.max_length (rows without loss tokens are dropped)")
@@ -188,13 +179,22 @@ def train(cfg, objective, source: FeatureSource, *, pad_id: int, run_dir: Path, 
     ``keep_optimizer_state`` returns this stage's for a next one (else it is freed).
     ``served`` (``train/served_eval.py``) measures served acceptance on the main process every
     ``served.every_steps`` optimizer steps; its values are logged under ``served/``.
-    ``_on_step(step)`` runs after each optimizer step (tests use it to simulate a crash)."""
+    ``_on_step(step)`` runs after each optimizer step (tests use it to simulate a crash).
+
+    SIGINT / SIGTERM (main thread) ask the loop to stop. The request is voted on in the one sync
+    of the next optimizer step (``Meter.end_step``: no extra collective), so every rank, signalled
+    or not, stops after that same step: it is checkpointed, then ``infer.errors.Interrupted``
+    names the checkpoint; a rerun resumes from it exactly. A repeated signal aborts without
+    saving (``infer/signals.py``); one arriving after the last step goes to the caller's handler."""
     loop = _StageLoop(cfg, objective, source, pad_id, run_dir, logger, stage, accelerator,
                       optimizer_state, served)
+    if loop.acc.device.type == "cpu":
+        GOVERNOR.start(cfg.trainer.num_threads)
     start, session_tokens = time.perf_counter(), 0
     try:
-        while loop.pos.step < loop.plan.total:
-            session_tokens += loop.epoch(_on_step)
+        with loop.stop_requests() as loop.stops:
+            while loop.pos.step < loop.plan.total:
+                session_tokens += loop.epoch(_on_step)
         elapsed = max(time.perf_counter() - start, 1e-9)
         state = loop.gather() if gather_state else None
         keep = keep_optimizer_state and carries_optimizer(loop.acc)
@@ -242,6 +242,7 @@ class _StageLoop:
         self.max_norm = self.tcfg.max_grad_norm if self.tcfg.max_grad_norm > 0 else float("inf")
         self.check_grad = self.acc.mixed_precision != "fp16"  # fp16: the scaler skips inf steps
         self.meter, self.lr, self.step_stats = Meter(self.acc.device), 0.0, (0.0, 0, 0.0)
+        self.stops, self.stop_signal = StopRequests(), 0  # replaced by train's installed one
         self.pbar = tqdm(total=self.plan.total, initial=self.pos.step, desc=f"train[{stage}]",
                          unit="step", disable=not self.acc.is_main_process, dynamic_ncols=True)
 
@@ -288,6 +289,8 @@ class _StageLoop:
         batches = iter(loader)
         try:
             for batch in batches:
+                if self.acc.device.type == "cpu":
+                    GOVERNOR.tick()  # one torch thread per free core (infer/threads.py)
                 if not self.micro_step(batch):
                     continue
                 tokens += self.after_step(on_step)
@@ -316,7 +319,10 @@ class _StageLoop:
         """Clip, check that loss and gradient norm are finite (before anything is applied or
         saved), then step the optimizer and the schedule."""
         grad_norm = self.acc.clip_grad_norm_(self.clip_params, self.max_norm)
-        loss, tokens, gn = self.meter.end_step(self.acc, grad_norm)
+        pending = self.stops.signum  # this rank's stop request, voted on in the step's sync
+        loss, tokens, gn, (stop, term) = self.meter.end_step(
+            self.acc, grad_norm, (float(pending != 0), float(pending == signal.SIGTERM)))
+        self.stop_signal = signal.SIGTERM if term else signal.SIGINT if stop else 0
         if not math.isfinite(loss) or (self.check_grad and not math.isfinite(gn)):
             raise TrainingDiverged(
                 f"training diverged at step {self.pos.step + 1} (stage {self.stage!r}): "
@@ -345,6 +351,8 @@ class _StageLoop:
         self.pbar.set_postfix(_postfix(loss, self.lr, self.metrics), refresh=False)
         if (tcfg.save_every and pos.step % tcfg.save_every == 0) or pos.step == self.plan.total:
             self.checkpoint()
+        if self.stop_signal:
+            self.stop_here()
         if on_step is not None:
             on_step(pos.step)
         return tokens
@@ -381,6 +389,27 @@ class _StageLoop:
         self.last_ckpt = _save(self.acc, self.model, self.objective, self.root, self.pos,
                                self.stage, self.compat, self.metrics, self.tcfg.keep_last)
 
+    # ---- stopping on a signal ----------------------------------------------------------------
+
+    def stop_requests(self) -> StopRequests:
+        """The handlers ``train`` installs around the loop (announced on the main process)."""
+        announce = (f"trainer[{self.stage}]: {{signal}} received: stopping after this optimizer "
+                    "step and saving a checkpoint (send it again to abort without saving)"
+                    if self.acc.is_main_process else None)
+        return StopRequests(announce, abort=f"stopped without saving; the latest checkpoint in "
+                            f"{self.root} is complete: rerun the same command to resume")
+
+    def stop_here(self) -> None:
+        """Every rank agreed (in this step's sync) that a signal asked to stop: checkpoint this
+        step unless it was just saved, then leave with ``Interrupted`` (exit 128 + signal)."""
+        if self.last_ckpt is None or self.last_ckpt.name != ckpt.step_dir_name(self.pos.step):
+            self.checkpoint()
+        name = signal.Signals(self.stop_signal).name
+        stage = "" if self.stage == "main" else f" of stage {self.stage!r}"
+        raise Interrupted(f"interrupted by {name} at step {self.pos.step}{stage}; checkpoint "
+                          f"saved to {self.last_ckpt}; rerun the same command to resume",
+                          self.stop_signal)
+
     # ---- the end -----------------------------------------------------------------------------
 
     def gather(self) -> dict[str, Tensor] | None:
@@ -400,7 +429,11 @@ class _StageLoop:
 def _start(acc, tcfg, root: Path, compat: dict, stage: str
            ) -> tuple[Path | None, _Position, dict[str, float]]:
     """Load the checkpoint ``trainer.resume`` names (model, optimizer, scheduler, RNG; the data
-    position is returned), or clear this stage's old checkpoints for a fresh start."""
+    position is returned), or clear this stage's old checkpoints for a fresh start. Either way
+    the main process first deletes the temporaries of killed checkpoint writes: no rank of this
+    run writes into ``root`` before the loop starts (one run per run directory)."""
+    if acc.is_main_process:
+        ckpt.remove_temporaries(root)
     resume_from = ckpt.resolve_resume(tcfg.resume, root)
     if resume_from is None:
         if acc.is_main_process:
@@ -411,7 +444,7 @@ def _start(acc, tcfg, root: Path, compat: dict, stage: str
         return None, _Position(), {}
     state = ckpt.read_state(resume_from)
     ckpt.check_compatible(resume_from, state, compat)
-    acc.load_state(str(resume_from))
+    ckpt.load_state(acc, resume_from)  # weights only: a tampered pickle is refused
     pos = _Position(state["step"], state["epoch"], state["batches_in_epoch"], state["tokens"])
     return resume_from, pos, state.get("metrics", {})
 

@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from infer.atomic import atomic_dir
+from infer.atomic import atomic_dir, remove_leftovers
+from infer.errors import FileFormatError, MissingFileError
+from infer.files import read_json, read_safetensors
 from infer.models.llama import ModelConfig, cache_mask
 from infer.models.loader import resolve_model_dir, weight_files
+from infer.spec_config import checkpoint_method
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -40,6 +42,7 @@ def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor],
     if dtype is not None:
         config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     order = [WEIGHTS_NAME, *(Path(f).name for f in extra_files), CONFIG_NAME]
+    remove_leftovers(path)  # of killed writes of this checkpoint (its only writer is here)
     with atomic_dir(path, merge=order) as tmp:
         flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         save_file(flat, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -49,29 +52,22 @@ def write_checkpoint(path: str | Path, config: dict, tensors: dict[str, Tensor],
     return Path(path)
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict, dict[str, Tensor], Path]:
-    """``(config dict, {name: tensor} on CPU, resolved directory)`` of a drafter checkpoint."""
+def read_checkpoint(path: str | Path, method: str) -> tuple[dict, dict[str, Tensor], Path]:
+    """``(config dict, {name: tensor} on CPU, resolved directory)`` of a drafter checkpoint
+    loaded as ``method``; a checkpoint whose config.json declares another method is refused."""
     model_dir = resolve_model_dir(path)
     cfg_path = model_dir / CONFIG_NAME
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {model_dir}")
-    config = json.loads(cfg_path.read_text())
-    if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path} holds {type(config).__name__}; expected a JSON object")
+        raise MissingFileError(f"no {CONFIG_NAME} in drafter directory {model_dir}")
+    config = read_json(cfg_path, what=f"a {method} drafter's config")
+    declared = checkpoint_method(config)
+    if declared is not None and declared != method:
+        raise FileFormatError(f"{model_dir} is a {declared!r} drafter checkpoint, not "
+                              f"{method!r}: serve it with method={declared!r}")
     state: dict[str, Tensor] = {}
     for file in weight_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                state[name] = f.get_tensor(name)
+        state.update(read_safetensors(file))
     return config, state, model_dir
-
-
-def check_names(where: Path | str, expected: set[str], found: set[str]) -> None:
-    """Exact weight-name match, with both differences in the error."""
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        raise ValueError(f"drafter checkpoint {where}: missing weights {missing[:8]}, "
-                         f"unexpected weights {unexpected[:8]}")
 
 
 def share(owner: torch.nn.Module, name: str, module: torch.nn.Module | None) -> None:

@@ -39,8 +39,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (PairDrafter, StepKV, check_names, gather_rows,
-                                   hf_layer_config, read_checkpoint, share, write_checkpoint)
+from infer.drafters.common import (PairDrafter, StepKV, gather_rows, hf_layer_config,
+                                   read_checkpoint, share, write_checkpoint)
+from infer.errors import FileFormatError
+from infer.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.llama import DecoderLayer, ModelConfig
 from infer.models.rope import rope_cos_sin, rope_frequencies
@@ -134,8 +136,9 @@ class EagleDrafter(PairDrafter):
         hidden, vocab = target.embed_tokens.weight.shape[1], target.lm_head.weight.shape[0]
         lc = self.layer_config
         if (hidden, vocab) != (lc.hidden_size, lc.vocab_size):
-            raise ValueError(f"EAGLE head expects a target with hidden_size {lc.hidden_size} and "
-                             f"vocab_size {lc.vocab_size}; got {hidden} and {vocab}")
+            raise FileFormatError(f"EAGLE head expects a target with hidden_size {lc.hidden_size} "
+                                  f"and vocab_size {lc.vocab_size}; the target has {hidden} and "
+                                  f"{vocab}: the head was trained for another model")
         share(self, "embed_tokens", target.embed_tokens)
         share(self, "lm_head", target.lm_head)
 
@@ -173,14 +176,14 @@ class EagleDrafter(PairDrafter):
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",
                         device: str | torch.device = "cpu") -> "EagleDrafter":
         """Load an EAGLE-1 head (the weights decide ``fc_bias``), frozen, eval mode."""
-        raw, state, model_dir = read_checkpoint(path)
+        raw, state, model_dir = read_checkpoint(path, "eagle")
         config = EagleConfig.from_dict(raw)
         state = {k.removeprefix("model."): v for k, v in state.items()}
         state = {k: v for k, v in state.items() if k not in _IGNORED}
         config.fc_bias = "fc.bias" in state
         with torch.device("meta"):
             model = cls(config)
-        check_names(model_dir, set(model.state_dict()), set(state))
+        check_tensors(model_dir, model.state_dict(), state)
         torch_dtype = resolve_dtype(dtype, {**config.model, **config.extra})
         model.load_state_dict({k: v.to(device=device, dtype=torch_dtype)
                                for k, v in state.items()}, assign=True)

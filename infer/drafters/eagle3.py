@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (PairDrafter, StepKV, check_names, gather_rows,
-                                   hf_layer_config, read_checkpoint, share, write_checkpoint)
+from infer.drafters.common import (PairDrafter, StepKV, gather_rows, hf_layer_config,
+                                   read_checkpoint, share, write_checkpoint)
+from infer.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.llama import MLP, Attention, ModelConfig, RMSNorm
 from infer.models.rope import rope_cos_sin, rope_frequencies
@@ -392,7 +393,7 @@ class Eagle3Drafter(PairDrafter):
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",
                         device: str | torch.device = "cpu") -> "Eagle3Drafter":
         """Load a speculators (or SGLang ``midlayer``) EAGLE-3 checkpoint, frozen, eval mode."""
-        raw, state, model_dir = read_checkpoint(path)
+        raw, state, model_dir = read_checkpoint(path, "eagle3")
         config = Eagle3Config.from_dict(raw)
         state = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
                  for k, v in state.items() if k not in _IGNORED}
@@ -404,7 +405,7 @@ class Eagle3Drafter(PairDrafter):
             t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
             t2d[torch.arange(config.draft_vocab_size) + state["d2t"]] = True
             state["t2d"] = t2d
-        check_names(model_dir, set(model.state_dict()), set(state))
+        check_tensors(model_dir, model.state_dict(), state)
         torch_dtype = resolve_dtype(dtype, {**config.transformer_layer_config, **config.extra})
         model.load_state_dict({k: v.to(device=device, dtype=torch_dtype if v.is_floating_point()
                                        else v.dtype) for k, v in state.items()}, assign=True)

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import check_names, read_checkpoint, write_checkpoint
+from infer.drafters.common import read_checkpoint, write_checkpoint
+from infer.files import check_tensors
 from infer.models.loader import resolve_dtype
 from infer.validation import check_int, config_error
 
@@ -260,23 +261,18 @@ class MLPSpeculator(nn.Module):
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",
                         device: str | torch.device = "cpu") -> "MLPSpeculator":
         """Load a vLLM / fms-extras MLP speculator checkpoint, frozen, eval mode."""
-        raw, state, model_dir = read_checkpoint(path)
+        raw, state, model_dir = read_checkpoint(path, "mlp_speculator")
         config = MLPSpeculatorConfig.from_dict(raw)
         state = {k.removeprefix("speculator."): v for k, v in state.items()}
         with torch.device("meta"):
             model = cls(config)
-        expected = set(model.vllm_state_dict())
+        expected = model.vllm_state_dict()
         if config.tie_weights:  # per-stage copies of tied tensors: ignored, as vLLM does
             tied = re.compile(r"^(emb|head|ln)\.\d+\.(weight|bias)$|^proj\.\d+\.weight$")
             state = {k: v for k, v in state.items() if k in expected or not tied.match(k)}
-        check_names(model_dir, expected, set(state))
+        check_tensors(model_dir, expected, state)
         torch_dtype = resolve_dtype(dtype, raw)
-        params = dict(model.named_parameters())
         for name, value in state.items():
-            want = params[name]
-            if tuple(value.shape) != tuple(want.shape):
-                raise ValueError(f"mlp_speculator checkpoint {model_dir}: {name} has shape "
-                                 f"{tuple(value.shape)}, expected {tuple(want.shape)}")
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
             setattr(module, attr, nn.Parameter(value.to(device=device, dtype=torch_dtype),

@@ -237,13 +237,15 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                 output_dir: str | Path | None = None, logger: Logger | None = None,
                 device: str = "auto", dtype: str = "auto", seed: int = 0,
                 max_model_len: int | None = None, ignore_eos: bool = False, warmup: bool = True,
-                step: int | None = None, prefix: str = "eval") -> HarnessReport:
+                step: int | None = None, prefix: str = "eval",
+                num_threads: int | None = None) -> HarnessReport:
     """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
 
     ``target``: a model directory (loaded once with device / dtype / max_model_len) or a loaded
     :class:`~infer.target.Target` (which fixed those). Writes results.json / results.md / plots
     into ``output_dir`` when given; logs per-config acceptance scalars, the results table and the
-    plots to ``logger`` at ``step`` under ``prefix``. Returns the report.
+    plots to ``logger`` at ``step`` under ``prefix``. ``num_threads``: CPU thread policy
+    (infer/threads.py; None: one per free core). Returns the report.
     """
     configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
     prompts = list(prompts)
@@ -254,7 +256,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     check_int("max_tokens", max_tokens, _WHERE, minimum=1)
     logger = logger or NoopLogger()
     engine = LLM(target, seed=seed, max_num_seqs=1, device=device, dtype=dtype,
-                 max_model_len=max_model_len)  # each run forks it (LLM.with_config)
+                 max_model_len=max_model_len, num_threads=num_threads)  # forked per run
     matrix = _Matrix(engine, prompts, max_tokens, ignore_eos, warmup)
     results = []
     for cfg in configs:

@@ -15,31 +15,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-CONTENTION_CORES = 0.25  # other processes' average busy cores above which a run is flagged
-_PROC_STAT = Path("/proc/stat")
-
-
-def _machine_busy_seconds() -> float | None:
-    """CPU seconds all cores spent busy since boot (None without /proc/stat)."""
-    try:
-        fields = _PROC_STAT.read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    ticks = [int(x) for x in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    # guest time is already counted in user / nice
-    busy = sum(ticks[:8]) - idle
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
+from infer.threads import CONTENTION_CORES, GOVERNOR, machine_busy_seconds, own_cpu_seconds
 
 
 @dataclass
@@ -59,13 +39,13 @@ class CpuMonitor:
     """``with CpuMonitor() as m: ...`` then ``m.window``: the CPU use of the block."""
 
     def __enter__(self) -> "CpuMonitor":
-        self._start = (time.perf_counter(), _own_cpu_seconds(), _machine_busy_seconds())
+        self._start = (time.perf_counter(), own_cpu_seconds(), machine_busy_seconds())
         return self
 
     def __exit__(self, *exc: Any) -> None:
         wall0, own0, busy0 = self._start
-        wall, own, busy = time.perf_counter() - wall0, _own_cpu_seconds() - own0, None
-        now = _machine_busy_seconds()
+        wall, own, busy = time.perf_counter() - wall0, own_cpu_seconds() - own0, None
+        now = machine_busy_seconds()
         if busy0 is not None and now is not None and wall > 0:
             busy = max(0.0, (now - busy0 - own) / wall)
         self.window = CpuWindow(wall, own, busy)
@@ -80,10 +60,11 @@ def other_cores_now(seconds: float) -> float | None:
 
 def machine_settings() -> dict[str, Any]:
     """The machine a report was measured on: cores, cores this process may use, load average,
-    torch's intra- / inter-op threads."""
+    torch's intra- / inter-op threads and the thread policy (infer/threads.py)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"cpu_count": os.cpu_count(), "usable_cores": usable,
             "load_average": [round(x, 2) for x in load] if load else None,
             "torch_threads": torch.get_num_threads(),
-            "torch_interop_threads": torch.get_num_interop_threads()}
+            "torch_interop_threads": torch.get_num_interop_threads(),
+            "thread_policy": GOVERNOR.record()}

@@ -20,7 +20,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from infer.atomic import atomic_file, write_text
+from infer.atomic import atomic_file, remove_leftovers, write_text
 from infer.eval.machine import CONTENTION_CORES
 from infer.eval.results import ConfigResult, HarnessReport
 from infer.tracking import Logger
@@ -36,6 +36,7 @@ def write_report(report: HarnessReport, output_dir: str | os.PathLike) -> dict:
     """results.json, results.md and the plots into ``output_dir``; returns ``report.files``."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out / "*")  # of a killed earlier write (one harness process writes here)
     report.output_dir = str(out)
     plots = [name for name, draw in zip(PLOTS, (_plot_per_position, _plot_speedup,
                                                 _plot_acceptance_length))

@@ -12,14 +12,14 @@ CPU: bfloat16 runs there, only slower; ask for ``"float32"`` explicitly if that 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from infer.errors import FileFormatError, MissingFileError
+from infer.files import check_tensors, open_safetensors, read_json
 from infer.models.llama import Llama, ModelConfig, inference_layout
 from infer.models.rope import ROPE_TYPES, RopeConfig
 from infer.validation import config_error
@@ -45,7 +45,7 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_architecture(hf: dict) -> str:
+def resolve_architecture(hf: dict, where: str = "config.json") -> str:
     """The supported architecture a config names (``architectures``, else ``model_type``)."""
     names = hf.get("architectures") or []
     for name in names:
@@ -57,7 +57,15 @@ def resolve_architecture(hf: dict) -> str:
                 return name
     raise config_error("architectures", names or None,
                        f"one of the supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)} "
-                       f"(config.json model_type is {hf.get('model_type')!r})", "config.json")
+                       f"(model_type is {hf.get('model_type')!r}){_drafter_hint(hf)}", where)
+
+
+def _drafter_hint(hf: dict) -> str:
+    """Point at the right key when a drafter checkpoint is given as the target model."""
+    archs = " ".join(hf.get("architectures") or [])
+    if "speculators_model_type" in hf or any(k in archs for k in ("Eagle", "Speculator")):
+        return "; this is a drafter checkpoint: give it as speculative_config.model"
+    return ""
 
 
 def rope_from_hf(hf: dict) -> RopeConfig:
@@ -147,21 +155,29 @@ def resolve_model_dir(path: str | Path) -> Path:
                                           allow_patterns=["*.json", "*.safetensors"]))
         except Exception:  # not cached (or hub library absent): report the path below
             pass
-    raise FileNotFoundError(f"model directory not found: {path} (a local directory, or a hub id "
-                            "already downloaded to the Hugging Face cache)")
+    if p.exists():
+        raise MissingFileError(f"model path {path} is a file; expected a model directory")
+    raise MissingFileError(f"model directory not found: {path} (a local directory, or a hub id "
+                           "already downloaded to the Hugging Face cache)")
 
 
-def _read_json(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+# config.json keys without a default: a Llama-family config lacking one cannot be built
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "intermediate_size")
 
 
 def _read_hf_configs(model_dir: Path) -> tuple[dict, dict | None]:
     """``config.json`` and (when present) ``generation_config.json`` as dicts."""
     cfg_path, gen_path = model_dir / "config.json", model_dir / "generation_config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    return _read_json(cfg_path), _read_json(gen_path) if gen_path.is_file() else None
+        raise MissingFileError(f"no config.json in model directory {model_dir}")
+    hf = read_json(cfg_path, what="the model's config")
+    resolve_architecture(hf, where=str(cfg_path))
+    missing = [k for k in REQUIRED_KEYS if k not in hf]
+    if missing:
+        raise FileFormatError(f"{cfg_path} lacks required key(s) {', '.join(missing)} of a "
+                              f"{hf.get('model_type', 'llama')} config")
+    return hf, read_json(gen_path) if gen_path.is_file() else None
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -173,14 +189,19 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: a single file or the shards of an index."""
     single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
-        return [model_dir / s for s in shards]
+        weight_map = read_json(index, required=("weight_map",))["weight_map"]
+        shards = [model_dir / s for s in sorted(set(weight_map.values()))]
+        absent = [s.name for s in shards if not s.is_file()]
+        if absent:
+            raise MissingFileError(f"{index} lists shard(s) {absent[:4]} that are not in "
+                                   f"{model_dir}: an incomplete download?")
+        return shards
     if single.is_file():
         return [single]
     pickled = sorted(p.name for p in model_dir.glob("*.bin"))
     found = (f"; found only {', '.join(pickled)} (pickled weights are never loaded)"
              if pickled else "")
-    raise FileNotFoundError(f"no safetensors weights in {model_dir}: expected model.safetensors "
+    raise MissingFileError(f"no safetensors weights in {model_dir}: expected model.safetensors "
                             f"or model.safetensors.index.json{found}. safetensors is required; "
                             "convert once with transformers (from_pretrained(dir)"
                             ".save_pretrained(dir) writes safetensors)")
@@ -223,7 +244,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
         model = Llama(config)
     state = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for hf_name in f.keys():
                 name = native_name(hf_name)
                 if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
@@ -231,11 +252,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                 t = f.get_tensor(hf_name)
                 to_dtype = torch_dtype if t.is_floating_point() else t.dtype
                 state[name] = t.to(device=device, dtype=to_dtype)
-    expected = {n for n, _ in model.named_parameters(remove_duplicate=True)}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {model_dir} does not match {config.architecture}: "
-                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+    expected = dict(model.named_parameters(remove_duplicate=True))
+    check_tensors(model_dir, expected, state, f" (for {config.architecture})")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign replaced the embedding parameter; re-share it
     model.init_buffers()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from infer.errors import ConfigError, FileFormatError
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.models.loader import load_model
@@ -39,9 +40,9 @@ class DraftModelProposer(Proposer):
         self.model = load_model(spec.model, dtype=ctx.dtype, device=ctx.device)
         vocab = self.model.config.vocab_size
         if vocab != ctx.vocab_size:
-            raise ValueError(f"speculative_config: the draft model {spec.model!r} has vocab_size "
-                             f"{vocab} but the target has {ctx.vocab_size}; a draft model must "
-                             "share the target's tokenizer and vocabulary")
+            raise FileFormatError(f"speculative_config: the draft model {spec.model!r} has "
+                                  f"vocab_size {vocab} but the target has {ctx.vocab_size}; a "
+                                  "draft model must share the target's tokenizer and vocabulary")
         self.k = spec.num_speculative_tokens
         self.max_len = spec.check_against_target(ctx.max_model_len)
         self.mask_id = _mask_token(spec) if spec.parallel_drafting else None
@@ -141,6 +142,6 @@ def _mask_token(spec: SpeculativeConfig) -> int:
     for key in MASK_KEYS:
         if isinstance(config.get(key), int):
             return config[key]
-    raise ValueError(f"speculative_config: parallel_drafting needs a mask token id in the draft's "
-                     f"config.json (one of {', '.join(MASK_KEYS)}); none found for "
-                     f"{spec.model!r}")
+    raise ConfigError(f"speculative_config: parallel_drafting needs a mask token id in the draft's "
+                      f"config.json (one of {', '.join(MASK_KEYS)}); none found for "
+                      f"{spec.model!r}")

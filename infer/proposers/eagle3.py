@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from infer.errors import FileFormatError
 from infer.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import PROPOSERS, ProposerContext
@@ -43,7 +44,7 @@ class Eagle3Proposer(EagleChainProposer):
                                f"the target's hidden_size ({target.hidden_size})", where)
         if drafter.embed_tokens is None:  # no embed_tokens.weight: share the target's
             if drafter.layer_config.hidden_size != target.hidden_size:
-                raise ValueError(f"{where}: has no embed_tokens.weight and its hidden_size "
+                raise FileFormatError(f"{where}: has no embed_tokens.weight and its hidden_size "
                                  f"{drafter.layer_config.hidden_size} differs from the target's "
                                  f"{target.hidden_size}, so the target's embedding cannot be "
                                  "shared")

@@ -68,3 +68,50 @@ def test_remove_leftovers(tmp_path):
     (tmp_path / "unrelated").write_text("u")
     assert sorted(remove_leftovers(dest)) == sorted(stale)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated"]
+
+
+def test_leftovers_of_live_writers_are_kept(tmp_path):
+    """A temporary named after a live process (another job on this host) or being written by
+    this one is not a leftover; one named after this pid but not being written is (a container
+    gives every run the same pid); a glob names a family; foreign names are never touched."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    live, mine = str(os.getppid()), str(os.getpid())
+    names = {f".chunk_00001.jsonl.tmp-{dead}-0123abcd": False,
+             f".chunk_00002.jsonl.tmp-{mine}-0123abcd": False,
+             f".chunk_00003.jsonl.tmp-{live}-0123abcd": True,
+             f"..final.tmp-{mine}-0123abcd.tmp-{dead}-89abcdef": False,  # atomic_dir(merge)'s
+             ".chunk_00004.jsonl.tmp-notours": True, "chunk_00000.jsonl": True}
+    for name in names:
+        (tmp_path / name).write_text("x")
+    with atomic_file(tmp_path / "chunk_00005.jsonl") as writing:
+        writing.write_text("in progress")
+        remove_leftovers(tmp_path / "chunk_*.jsonl")
+        remove_leftovers(tmp_path / "final")
+        assert writing.exists()
+    kept = {name for name, keep in names.items() if keep} | {"chunk_00005.jsonl"}
+    assert {p.name for p in tmp_path.iterdir()} == kept
+
+
+@pytest.mark.parametrize("umask,dirs,files", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_files_written_through_tempfile_get_the_umask_permissions(tmp_path, umask, dirs, files):
+    """safetensors' save_file writes through a 0600 temporary; what lands follows the umask."""
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(umask)
+    try:
+        with atomic_dir(tmp_path / "ckpt") as tmp:
+            (tmp / "sub").mkdir()
+            save_file({"w": torch.zeros(2)}, str(tmp / "sub" / "model.safetensors"))
+        with atomic_file(tmp_path / "v.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "ckpt", tmp_path / "ckpt" / "sub"):
+        assert stat.S_IMODE(p.stat().st_mode) == dirs, p
+    for p in (tmp_path / "ckpt" / "sub" / "model.safetensors", tmp_path / "v.safetensors"):
+        assert stat.S_IMODE(p.stat().st_mode) == files, p

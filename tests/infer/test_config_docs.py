@@ -44,6 +44,7 @@ def test_schema_help_lines():
 @pytest.mark.parametrize("entry, line", [
     ("train.py", "features.mode: 'online' (online | offline) -- online: the frozen target"),
     ("infer.py", "mode: 'generate' (generate | eval) -- generate: outputs"),
+    ("infer.py", "sampling.top_p: 1.0 -- Nucleus sampling"),  # SamplingParams' own docstrings
 ])
 def test_help_prints_the_settings(entry, line):
     out = subprocess.run([sys.executable, entry, "--help"], cwd=ROOT, capture_output=True,

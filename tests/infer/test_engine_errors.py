@@ -22,23 +22,126 @@ def served_methods():
     return PROPOSERS.names()
 
 
+def refused(out, *fragments):
+    """``out`` was refused alone: no tokens, finish_reason "error", every fragment in error."""
+    assert out.finish_reason == "error" and out.token_ids == [] and out.text == ""
+    for fragment in fragments:
+        assert fragment in out.error, (fragment, out.error)
+    return True
+
+
 def test_empty_prompt(tiny_target):
     llm = LLM(tiny_target, dtype="float32")
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
-        llm.generate([[1, 2], []], greedy())
-    with pytest.raises(ValueError, match="no prompts"):
+    good, empty = llm.generate([[1, 2], []], greedy())
+    assert refused(empty, "prompt 1: is empty; expected at least one token")
+    assert empty.prompt_token_ids == [] and empty.request_id == 1
+    assert good.error is None and len(good.token_ids) == 8
+    assert refused(llm.generate({"prompt_token_ids": []}, greedy())[0], "prompt 0: is empty")
+    with pytest.raises(ValueError, match="no prompts given"):
         llm.generate([], greedy())
     assert len(llm.generate([[1, 2]], greedy())[0].token_ids) == 8  # still usable
 
 
 def test_bad_token_ids(tiny_target):
     llm = LLM(tiny_target, dtype="float32")
-    with pytest.raises(ValueError, match=re.escape("outside [0, 96)")):
-        llm.generate([[1, 96]], greedy())
-    with pytest.raises(ValueError, match=re.escape("outside [0, 96)")):
-        llm.generate([[-1, 2]], greedy())
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        llm.generate([{"tokens": [1, 2]}], greedy())
+    outs = llm.generate([[1, 96], [-1, 2], [3, 4], [1, 2.5, True], {"tokens": [1, 2]}, None],
+                        greedy())
+    assert refused(outs[0], "prompt 0: has token ids outside [0, 96): [96]",
+                   "expected integers in [0, 96)")
+    assert outs[0].prompt_token_ids == [1, 96]  # echoed back as given
+    assert refused(outs[1], "prompt 1: has token ids outside [0, 96): [-1]")
+    assert outs[2].error is None and len(outs[2].token_ids) == 8
+    assert refused(outs[3], "prompt 3: has token ids outside [0, 96): [2.5, True]")
+    assert outs[3].prompt_token_ids == []  # not ids: not echoed
+    assert refused(outs[4], "prompt 4: is a dict with keys ['tokens']; expected 'prompt' or "
+                   "'prompt_token_ids'")
+    assert refused(outs[5], "prompt 5: is a NoneType; expected a string, a list of token ids")
+
+
+def test_calls_wrong_as_a_whole_raise(tiny_target):
+    """No request could be formed: a ValueError naming what was given and what is expected."""
+    llm = LLM(tiny_target, dtype="float32")
+    for prompts, message in ((42, "prompts is a int; expected a prompt"),
+                             (None, "prompts is a NoneType"), ((), "no prompts given")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate(prompts, greedy())
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts; expected one for"):
+        llm.generate([[1]], [greedy(), greedy()])
+    with pytest.raises(ValueError, match="sampling_params is a dict; expected a SamplingParams"):
+        llm.generate([[1]], {"temperature": 0.0})
+
+
+def changed(**values):
+    """Valid SamplingParams changed after construction (nothing checks a plain assignment)."""
+    params = greedy()
+    for key, value in values.items():
+        setattr(params, key, value)
+    return params
+
+
+# (prompt, params, what the error says after "prompt INDEX: ")
+BAD_REQUESTS = [
+    ([], greedy(), "is empty; expected at least one token"),
+    ([1, 96], greedy(), "has token ids outside [0, 96): [96]; expected integers in [0, 96)"),
+    (list(range(40)), greedy(), "has 40 tokens; max_model_len is 32, so expected at most 31"),
+    ([1, 2], changed(temperature=-1.0),
+     "SamplingParams: invalid value for 'temperature': -1.0; expected a number in [0.0, inf]"),
+    ([1, 2], changed(top_p=2),
+     "SamplingParams: invalid value for 'top_p': 2; expected a number in (0.0, 1.0]"),
+    ([1, 2], changed(max_tokens=0),
+     "SamplingParams: invalid value for 'max_tokens': 0; expected an integer >= 1"),
+    ([1, 2], "greedy", "its sampling params are a str; expected a SamplingParams"),
+    ([1, 2], greedy(stop_token_ids=[5, 96]),
+     "SamplingParams: invalid value for 'stop_token_ids': [5, 96]; expected ids in [0, 96)"),
+]
+GOOD_REQUESTS = [  # greedy, seeded sampled (top-p), greedy with another length
+    ([1, 2, 3], greedy(max_tokens=20)),
+    ([4, 5, 6, 7], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7)),
+    ([11, 12, 11, 12], greedy(max_tokens=12)),
+]
+
+
+@pytest.mark.parametrize("target, method", [("tiny_target", None), ("loopy_target", "ngram"),
+                                            ("tiny_target", "draft_model")])
+def test_bad_requests_fail_alone(request, twin_draft, target, method):
+    """Bad requests interleaved with good ones: each bad one gets its own error naming its
+    index, and each good one gets exactly the tokens it gets when generated alone (with
+    drafts accepted and rejected: the loopy target repeats itself, the twin draft is right
+    on greedy rows)."""
+    spec = {None: None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                      "prompt_lookup_max": 2},
+            "draft_model": {"method": "draft_model", "model": twin_draft,
+                            "num_speculative_tokens": 3}}[method]
+    target = request.getfixturevalue(target)
+    engine = dict(speculative_config=spec, dtype="float32", max_model_len=32, max_num_seqs=2)
+    batch = [BAD_REQUESTS[0], GOOD_REQUESTS[0], *BAD_REQUESTS[1:3], GOOD_REQUESTS[1],
+             *BAD_REQUESTS[3:5], GOOD_REQUESTS[2], *BAD_REQUESTS[5:]]
+    llm = LLM(target, **engine)
+    outs = llm.generate([b[0] for b in batch], [b[1] for b in batch])
+    assert method is None or llm.get_metrics()["num_accepted_tokens"] > 0
+    solo = LLM(target, **engine)
+    for i, (request, out) in enumerate(zip(batch, outs)):
+        assert out.request_id == i
+        if len(request) == 2:  # a good one
+            alone = solo.generate([request[0]], request[1])[0]
+            assert out.error is None and out.finish_reason == alone.finish_reason
+            assert out.token_ids == alone.token_ids and len(out.token_ids) > 0
+        else:
+            assert refused(out, f"prompt {i}: {request[2]}")
+
+
+def test_changed_params_shared_by_all_prompts(tiny_target):
+    """One SamplingParams for every prompt, made invalid after construction: every request is
+    refused (nothing raises), and the params are checked again on the next call."""
+    llm = LLM(tiny_target, dtype="float32")
+    params = greedy()
+    params.top_k = -5
+    outs = llm.generate([[1, 2], [3]], params)
+    assert all(refused(o, f"prompt {i}: SamplingParams: invalid value for 'top_k': -5")
+               for i, o in enumerate(outs))
+    params.top_k = 0
+    assert [o.error for o in llm.generate([[1, 2], [3]], params)] == [None, None]
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -122,10 +225,11 @@ def test_pard_without_mask_token(tiny_target, tiny_draft):
 
 def test_text_prompt_without_tokenizer(tiny_target):
     llm = LLM(tiny_target, dtype="float32")
-    with pytest.raises(ValueError, match="no tokenizer"):
-        llm.generate("def f():", greedy())
-    with pytest.raises(ValueError, match="no tokenizer"):
-        llm.generate([[1, 2], {"prompt": "x = 1"}], greedy())
+    text = llm.generate("def f():", greedy())[0]
+    assert refused(text, "prompt 0: is text but the model directory has no tokenizer")
+    assert text.prompt == "def f():"
+    ids, text = llm.generate([[1, 2], {"prompt": "x = 1"}], greedy())
+    assert refused(text, "prompt 1: is text") and ids.error is None
 
 
 def test_text_prompt_with_tokenizer(tiny_target, tmp_path):
@@ -155,9 +259,6 @@ def test_bad_engine_arguments(tiny_target):
         LLM(tiny_target, max_model_len=1000)
     with pytest.raises(ValueError, match="'dtype'"):
         LLM(tiny_target, dtype="fp8")
-    llm = LLM(tiny_target, dtype="float32")
-    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
-        llm.generate([[1]], [greedy(), greedy()])
 
 
 def test_memory_budget_names_the_sizes():

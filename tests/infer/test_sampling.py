@@ -74,6 +74,29 @@ def test_from_dict_speculative_key_hint(key):
         SamplingParams.from_dict({key: 3})
 
 
+def test_validate_catches_changes_after_construction():
+    """A dataclass field can be assigned anything; validate() (run again by LLM.generate)
+    names what changed."""
+    params = SamplingParams()
+    params.top_p = 2
+    with pytest.raises(ValueError, match=r"'top_p': 2; expected a number in \(0.0, 1.0\]"):
+        params.validate()
+    params.top_p, params.stop_token_ids = 0.5, (4, 5)
+    params.validate()
+    assert params.stop_token_ids == [4, 5]
+
+
+def test_from_dict_copies_an_instance():
+    """The typed config's sampling node arrives as an instance: from_dict validates a copy."""
+    params = SamplingParams(temperature=0.5, stop_token_ids=[3])
+    copy = SamplingParams.from_dict(params)
+    assert copy == params and copy is not params
+    assert copy.stop_token_ids is not params.stop_token_ids
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match="'temperature': -1.0"):
+        SamplingParams.from_dict(params)
+
+
 def test_from_dict_none_and_omegaconf():
     assert SamplingParams.from_dict(None) == SamplingParams()
     cfg = OmegaConf.create({"t": 0.5, "s": {"temperature": "${t}", "stop_token_ids": [1, 2]}})

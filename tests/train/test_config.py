@@ -72,3 +72,136 @@ def test_misspelt_key_inside_a_recipe_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "RECIPES_DIR", bad)
     with pytest.raises(Exception, match="learning_rate"):
         compose_train(["recipe=broken"])
+
+
+# ---- every value is validated before any work starts ------------------------------------------
+
+def composed(overrides) -> TrainConfig:
+    return OmegaConf.to_object(compose_train(overrides))
+
+
+@pytest.mark.parametrize("override, message", [
+    # ints below their minimum, in every section
+    ("data.num_examples=0", "'data.num_examples': 0; expected an integer >= 1"),
+    ("data.max_length=1", "'data.max_length': 1; expected an integer >= 2"),
+    ("features.rows_per_shard=0", "'features.rows_per_shard': 0; expected an integer >= 1"),
+    ("drafter.inner_dim=-1", "'drafter.inner_dim': -1; expected an integer >= 0"),
+    ("objective.ttt_steps=0", "'objective.ttt_steps': 0; expected an integer >= 1"),
+    ("trainer.micro_batch_size=0", "'trainer.micro_batch_size': 0; expected an integer >= 1"),
+    ("regenerate.max_model_len=1", "'regenerate.max_model_len': 1; expected an integer >= 2"),
+    ("eval.max_tokens=0", "'eval.max_tokens': 0; expected an integer >= 1"),
+    ("eval.every_num_prompts=0", "'eval.every_num_prompts': 0; expected an integer >= 1"),
+    # bounded ints (numpy's seed range)
+    ("seed=-1", "'seed': -1; expected an integer in [0, 4294967295]"),
+    ("data.seed=4294967296", "'data.seed': 4294967296; expected an integer in [0, 4294967295]"),
+    # numbers out of range
+    ("trainer.lr=0", "'trainer.lr': 0.0; expected a number in (0.0, inf]"),
+    ("regenerate.temperature=-0.5", "'regenerate.temperature': -0.5; expected a number in [0.0"),
+    ("regenerate.top_p=0", "'regenerate.top_p': 0.0; expected a number in (0.0, 1.0]"),
+    ("objective.cod_ratio=1.5", "'objective.cod_ratio': 1.5; expected a number in (0.0, 1.0]"),
+    ("trainer.warmup_ratio=2", "'trainer.warmup_ratio': 2.0; expected a number in [0.0, 1.0]"),
+    # lists: empty, or an item out of range (named by its index)
+    ("eval.ks=[0]", "'eval.ks[0]': 0; expected an integer >= 1"),
+    ("eval.ks=[]", "'eval.ks': []; expected a non-empty list"),
+    ("eval.batch_sizes=[1,0]", "'eval.batch_sizes[1]': 0; expected an integer >= 1"),
+    ("eval.temperatures=[-1]", "'eval.temperatures[0]': -1.0; expected a number in [0.0, inf]"),
+    ("drafter.aux_layer_ids=[]", "'drafter.aux_layer_ids': []; expected a non-empty list"),
+    ("drafter.aux_layer_ids=[2,-1]", "'drafter.aux_layer_ids[1]': -1; expected an integer >= 0"),
+    ("trainer.betas=[0.9]", "'trainer.betas': [0.9]; expected two numbers in [0, 1)"),
+    ("trainer.betas=[0.9,1.0]", "'trainer.betas': [0.9, 1.0]; expected two numbers in [0, 1)"),
+    # strings that must name something
+    ("logger.project=''", "'logger.project': ''; expected a non-empty string"),
+    ("trainer.resume=''", "'trainer.resume': ''; expected a non-empty string"),
+    ("data.split=''", "'data.split': ''; expected a non-empty string"),
+    # the harness's methods: each a valid speculative_config without k
+    ("eval.methods=[{method: ngram, prompt_lookup_max: 0}]",
+     "eval.methods[0]: speculative_config: invalid value for 'prompt_lookup_max': 0"),
+    ("eval.methods=[{method: ngram, num_speculative_tokens: 3}]",
+     "'eval.methods[0].num_speculative_tokens': 3; expected no value: k comes from eval.ks"),
+    ("eval.methods=[{method: nope}]", "eval.methods[0]: speculative_config: invalid value for "
+                                      "'method': 'nope'"),
+])
+def test_bad_values_are_refused_naming_key_value_and_allowed(override, message):
+    from infer.errors import ConfigError
+
+    cfg = composed([override])  # each passes Hydra's type check: only the value is wrong
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert message in str(err.value) and str(err.value).startswith("train config: ")
+
+
+def test_values_built_in_python_are_type_checked_too():
+    """Configs built in Python skip Hydra's type check; the rules catch the type as well."""
+    from infer.errors import ConfigError
+
+    for section, key, value, message in [
+            ("data", "pack", 1, "'data.pack': 1; expected true or false"),
+            ("features", "mode", "both", "'features.mode': 'both'; expected one of online | "
+                                         "offline"),
+            ("trainer", "device", "tpu", "'trainer.device': 'tpu'; expected one of auto | cpu"),
+            ("logger", "mode", "loud", "'logger.mode': 'loud'; expected one of online | offline"
+                                       " | disabled or None"),
+            ("drafter", "n_predict", 2.5, "'drafter.n_predict': 2.5; expected an integer"),
+            ("eval", "chat_template_kwargs", [1], "'eval.chat_template_kwargs': [1]; expected a "
+                                                  "mapping")]:
+        cfg = TrainConfig()
+        setattr(getattr(cfg, section), key, value)
+        with pytest.raises(ConfigError, match=message.replace("|", r"\|").replace("[", r"\[")):
+            cfg.validate()
+
+
+def test_every_field_has_a_rule_and_every_recipe_validates():
+    """A field added without a rule would go unchecked: ``validate`` raises for it."""
+    from infer.validation import check_fields
+
+    for name in sorted(EXPECTED):
+        composed([f"recipe={name}"]).validate()
+    with pytest.raises(RuntimeError, match=r"TrainerConfig: no validation rule for \[.*'lr'"):
+        check_fields(TrainConfig().trainer, "trainer", {}, "train config")
+
+
+def test_run_refuses_a_bad_value_before_any_work(tmp_path, monkeypatch):
+    """``eval.ks=[0]`` used to fail after the whole training run; now nothing starts: no target
+    is resolved or built, no output folder is created."""
+    from infer.errors import ConfigError, MissingFileError
+    import train.pipeline as pipeline
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the config was validated")
+
+    monkeypatch.setattr(pipeline, "resolve_target", no_work)
+    monkeypatch.setattr(pipeline, "prepare_data", no_work)
+    out = tmp_path / "out"
+    for override, error, message in [
+            ("eval.ks=[0]", ConfigError, r"'eval\.ks\[0\]': 0"),
+            ("data.num_examples=0", ConfigError, r"'data\.num_examples': 0"),
+            ("drafter.method=medusa", ConfigError, r"'drafter\.method': 'medusa'; expected one "
+                                                   r"of .*eagle3"),
+            (f"trainer.resume={tmp_path / 'nothing'}", MissingFileError,
+             r"trainer\.resume=.*no checkpoint there"),
+            ("+eval.chat_template_kwargs.enable_thinking=true", ConfigError,
+             "contradicts data.enable_thinking=False")]:
+        cfg = composed([f"output_dir={out}", "data.enable_thinking=false", override])
+        with pytest.raises(error, match=message):
+            pipeline.run(cfg)
+    assert not out.exists()
+
+
+def test_train_py_reports_a_bad_value_in_one_line_with_status_2(tmp_path):
+    """The real entry point: no traceback, exit status 2, the key named, and no work done (no
+    tiny target built into the empty cache, nothing but Hydra's log folder in the run dir)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(CONF).parent
+    env = {**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run([sys.executable, str(root / "train.py"), "eval.ks=[0]",
+                           f"output_dir={tmp_path / 'out'}"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("train.py: error: train config: invalid value for "
+                                   "'eval.ks[0]': 0; expected an integer >= 1")
+    assert not (tmp_path / "cache").exists()
+    assert [p.name for p in (tmp_path / "out" / "tiny_eagle3").iterdir()] in ([], ["hydra"])

@@ -29,3 +29,22 @@ def test_check_names_subject_keys_values_and_remedy():
     assert str(err.value) == ("cache X was built for a different 'dtype': cache has 'float32', "
                               "this run has 'bfloat16'; and a different 'n': cache has 4, this "
                               "run has 5. Delete X.")
+
+
+def test_checkpoint_fingerprint_holds_what_changes_the_training_inputs():
+    """A checkpoint resumes only with the regenerated answers and features it was trained on:
+    ``regenerate.batch_size`` counts when answers are sampled (greedy ones are the same at any
+    batch size), ``features.dtype`` when features come from the offline cache."""
+    from train.checkpoint import compat_config
+    from train.config import TrainConfig
+
+    cfg = TrainConfig()
+    greedy = compat_config(cfg, "main", 1)
+    assert "regenerate.batch_size" not in greedy and "data.num_proc" not in greedy
+    assert greedy["features.mode"] == "online" and "features.dtype" not in greedy
+    cfg.regenerate.temperature, cfg.features.mode = 0.7, "offline"
+    sampled = compat_config(cfg, "main", 1)
+    assert sampled["regenerate.batch_size"] == 8 and sampled["features.dtype"] == "bfloat16"
+    cfg.regenerate.batch_size, cfg.features.dtype = 4, "float32"
+    assert differences(sampled, compat_config(cfg, "main", 1)) == [
+        "features.dtype", "regenerate.batch_size"]

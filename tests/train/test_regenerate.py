@@ -174,6 +174,45 @@ def test_changed_settings_or_data_are_named(tmp_path, train_target):
         regenerate(other, train_target, CFG, tmp_path, device="cpu", progress=False)
     faster = RegenerateConfig(enabled=True, temperature=0.0, max_tokens=8, batch_size=4)
     assert len(regenerate(ds, train_target, faster, tmp_path, progress=False)) == 2  # speed only
+    saved = json.loads((tmp_path / "fingerprint.json").read_text())
+    assert saved["device"] == "cpu" and saved["batch_size"] is None  # greedy: not recorded
+    for key, old in (("device", "cuda"), ("version", 3)):  # GPU answers; an older format
+        (tmp_path / "fingerprint.json").write_text(json.dumps({**saved, key: old}))
+        with pytest.raises(ValueError, match=rf"'{key}': its answers have {old!r}, this run has"):
+            regenerate(ds, train_target, CFG, tmp_path, device="cpu", progress=False)
+
+
+def test_sampled_batch_size_is_in_the_fingerprint(tmp_path, train_target, monkeypatch):
+    """Sampled answers depend on the batch size (one generator feeds the running batch), so an
+    interrupted sampled run resumed with another regenerate.batch_size is refused instead of
+    mixing answers of both; greedy ones do not (test_changed_settings_or_data_are_named)."""
+    ds = datasets.Dataset.from_list(chat_rows(6, seed=1))
+    kw = dict(device="cpu", progress=False, chunk_size=3)
+    sampled = dict(enabled=True, temperature=1.0, max_tokens=6)
+    by_two = regenerate(ds, train_target, RegenerateConfig(**sampled, batch_size=2),
+                        tmp_path / "two", **kw)
+    by_one = regenerate(ds, train_target, RegenerateConfig(**sampled, batch_size=1),
+                        tmp_path / "one", **kw)
+    assert by_two.to_list() != by_one.to_list()  # the premise: the setting changes the rows
+    real = LLM.generate
+
+    def interrupted_after_one_chunk(self, prompts, params=None, **kw):
+        if (tmp_path / "run" / "chunk_00000.jsonl").exists():
+            raise KeyboardInterrupt("simulated interruption")
+        return real(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", interrupted_after_one_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(ds, train_target, RegenerateConfig(**sampled, batch_size=2), tmp_path / "run",
+                   **kw)
+    monkeypatch.setattr(LLM, "generate", real)
+    with pytest.raises(ValueError, match=r"'batch_size': its answers have 2, this run has 1.*"
+                                         r"Delete"):
+        regenerate(ds, train_target, RegenerateConfig(**sampled, batch_size=1), tmp_path / "run",
+                   **kw)
+    resumed = regenerate(ds, train_target, RegenerateConfig(**sampled, batch_size=2),
+                         tmp_path / "run", **kw)
+    assert resumed.to_list() == by_two.to_list()
 
 
 def test_text_rows_cannot_be_regenerated(tmp_path, train_target):

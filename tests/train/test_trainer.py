@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from infer.errors import FileFormatError, MissingFileError
 from infer.tracking import Logger
 from train.checkpoint import IncompatibleCheckpoint, export_atomically, list_checkpoints
 from train.config import TrainConfig, TrainerConfig
@@ -274,6 +275,34 @@ def test_tied_weights_checkpoint_and_resume(tmp_path):
     resumed, more = run(make_cfg(tmp_path, max_steps=3), rows, dict(tie=True))
     assert (first.step, more.step) == (2, 3)
     assert resumed.drafter["head"].weight is resumed.drafter["embed"].weight
+
+
+class Payload:
+    """A pickle that runs code when loaded: unpickling calls ``os.mkdir(marker)``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.mark.parametrize("name", ["optimizer.bin", "scheduler.bin", "random_states_0.pkl"])
+def test_a_checkpoint_holding_a_code_pickle_is_refused_unrun(tmp_path, name):
+    rows = synthetic_rows(8)
+    run(make_cfg(tmp_path, max_steps=2), rows)
+    (ck,) = list_checkpoints(tmp_path / "t" / "checkpoints")
+    torch.save({"state": Payload(tmp_path / "ran")}, ck / name)
+    torch.load(ck / name, weights_only=False)  # the payload is real: a plain load runs it
+    assert (tmp_path / "ran").is_dir()
+    (tmp_path / "ran").rmdir()
+    with pytest.raises(FileFormatError, match=rf"(?s)checkpoint {ck}.*weights_only=True.*"
+                                              r"trainer\.resume=never"):
+        run(make_cfg(tmp_path, max_steps=3), rows)
+    assert not (tmp_path / "ran").exists()
+    (ck / "random_states_0.pkl").unlink(missing_ok=True)  # missing: no exact resume either
+    with pytest.raises(MissingFileError, match=r"random_states_0\.pkl is missing"):
+        run(make_cfg(tmp_path, max_steps=3), rows)
 
 
 def test_nan_loss_stops_with_step_and_last_checkpoint(tmp_path):

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer.drafters.common import check_names, write_checkpoint
+from infer.drafters.common import write_checkpoint
+from infer.files import check_tensors
 from infer.drafters.eagle import EagleConfig, EagleDrafter
-from infer.validation import check_float, config_error
+from infer.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
@@ -39,8 +40,6 @@ class EagleObjective(TTTObjective):
     def __init__(self, cfg, heads, vocab, target_dir):
         super().__init__(cfg, heads, vocab, target_dir)
         o = cfg.objective
-        check_float("objective.regression_weight", o.regression_weight, _WHERE, low=0.0)
-        check_float("objective.ce_weight", o.ce_weight, _WHERE, low=0.0)
         self.regression_weight, self.ce_weight = float(o.regression_weight), float(o.ce_weight)
         self.drafter = EagleDrafter(EagleConfig.for_target(
             heads.config, intermediate_size=cfg.drafter.intermediate_size))
@@ -87,5 +86,5 @@ class EagleObjective(TTTObjective):
     def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """vLLM's EAGLE checkpoint (``config.json`` in ``EAGLEConfig`` shape + weights)."""
         state = self.drafter_state(state_dict)
-        check_names(path, set(self.drafter.state_dict()), set(state))
+        check_tensors(path, self.drafter.state_dict(), state)
         return write_checkpoint(path, self.drafter.config.to_dict(), state)

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer.drafters.common import check_names, write_checkpoint
+from infer.drafters.common import write_checkpoint
+from infer.files import check_tensors
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
 from train.config import LmHeadInit
@@ -148,7 +149,7 @@ class Eagle3Objective(TTTObjective):
     def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """The speculators checkpoint (``config.json`` + ``model.safetensors``, atomic)."""
         state = self.drafter_state(state_dict)
-        check_names(path, set(self.drafter.state_dict()), set(state))
+        check_tensors(path, self.drafter.state_dict(), state)
         return write_checkpoint(path, self.drafter.config.to_dict(), state)
 
 

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from infer.drafters.common import write_checkpoint
 from infer.drafters.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorLayerNorm
-from infer.validation import check_float, check_int, config_error
+from infer.validation import config_error
+from train.config import validate_section
 from train.objectives.base import (OBJECTIVES, FeatureSpec, LossOutput, Objective, Stage,
                                    StageData)
 from train.objectives.losses import forward_kl, masked_mean
@@ -82,15 +83,13 @@ class MLPSpeculatorObjective(Objective):
 
     def __init__(self, cfg, heads, vocab, target_dir):
         super().__init__(cfg, heads, vocab, target_dir)
+        validate_section("objective", cfg.objective)  # kd_weight, the stage-2 settings ...
         d = cfg.drafter
         config = MLPSpeculatorConfig.for_target(heads.config, n_predict=d.n_predict,
                                                 inner_dim=d.inner_dim, tie_weights=d.tie_weights,
                                                 scale_input=d.scale_input)
         self.drafter = reset_parameters(MLPSpeculator(config))
         self.kd_weight = float(cfg.objective.kd_weight)
-        if self.kd_weight < 0:
-            raise config_error("objective.kd_weight", cfg.objective.kd_weight, "a number >= 0",
-                               _WHERE)
         if d.init_from:
             self._init_from(d.init_from)
 
@@ -120,12 +119,7 @@ class MLPSpeculatorObjective(Objective):
         steps = o.stage2_steps
         if steps <= 0:
             return [Stage()]
-        check_float("objective.stage2_lr_factor", o.stage2_lr_factor, _WHERE, low=0.0,
-                    low_open=True)
-        check_float("objective.stage2_min_lr_ratio", o.stage2_min_lr_ratio, _WHERE, low=0.0,
-                    high=1.0)
-        check_int("objective.stage2_warmup_steps", o.stage2_warmup_steps, _WHERE, minimum=0,
-                  optional=True)
+        validate_section("objective", o)  # changed since __init__ (tests, notebooks)
         warmup = (min(2000, steps // 20) if o.stage2_warmup_steps is None
                   else o.stage2_warmup_steps)
         trainer = {"max_steps": steps, "lr": self.cfg.trainer.lr * o.stage2_lr_factor,

@@ -53,6 +53,7 @@ from infer.drafters.common import write_checkpoint
 from infer.models.loader import load_config, load_model, resolve_dtype
 from infer.proposers.draft_model import MASK_KEYS
 from infer.validation import config_error
+from train.config import validate_section
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
 from train.objectives.losses import forward_kl, masked_mean
 
@@ -128,14 +129,7 @@ class PardObjective(Objective):
     def __init__(self, cfg, heads, vocab, target_dir):
         super().__init__(cfg, heads, vocab, target_dir)
         o = cfg.objective
-        if isinstance(o.pard_k, bool) or not isinstance(o.pard_k, int) or o.pard_k < 1:
-            raise config_error("objective.pard_k", o.pard_k, "an integer >= 1", _WHERE)
-        for key in ("cod_ratio", "cod_min"):
-            if not 0 < getattr(o, key) <= 1:
-                raise config_error(f"objective.{key}", getattr(o, key), "a number in (0, 1]",
-                                   _WHERE)
-        if o.kd_weight < 0:
-            raise config_error("objective.kd_weight", o.kd_weight, "a number >= 0", _WHERE)
+        validate_section("objective", o)  # pard_k, cod_ratio, cod_min, kd_weight ...
         self.k, self.kd_weight = o.pard_k, float(o.kd_weight)
         self.source_dir = resolve_draft_dir(cfg.drafter.init_from or cfg.drafter.model,
                                             "drafter.init_from" if cfg.drafter.init_from

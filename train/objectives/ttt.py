@@ -37,12 +37,10 @@ import torch
 from torch import Tensor
 
 from infer.drafters.common import StepKV
-from infer.validation import check_float, check_int
+from train.config import validate_section
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
 from train.objectives.losses import masked_mean
-
-_WHERE = "train config"
 
 
 def ttt_attention_mask(doc_ids: Tensor, step: int) -> Tensor:
@@ -112,9 +110,7 @@ class TTTObjective(Objective):
     def __init__(self, cfg, heads, vocab, target_dir):
         super().__init__(cfg, heads, vocab, target_dir)
         o = cfg.objective
-        check_int("objective.ttt_steps", o.ttt_steps, _WHERE, minimum=1)
-        check_float("objective.step_weight", o.step_weight, _WHERE, low=0.0)
-        check_float("objective.feature_noise", o.feature_noise, _WHERE, low=0.0)
+        validate_section("objective", o)  # ttt_steps, step_weight, feature_noise, weights ...
         self.ttt_steps, self.step_weight = int(o.ttt_steps), float(o.step_weight)
         self.feature_noise = float(o.feature_noise)
 

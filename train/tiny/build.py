@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from infer.atomic import atomic_dir, remove_leftovers
-from infer.eval.machine import CONTENTION_CORES, other_cores_now
+from infer.threads import GOVERNOR
 from train.tiny.corpus import (DOC_TOKEN, EOS_TOKEN, TinyData, capped_corpus,
                                default_target_dir, paired_draft_dir, prepare_data, read_texts,
                                stdlib_root, train_tokenizer)
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: corpus without codec tables, pydoc data, Tk; 8-layer target
 META_FILE = "draftsmith_meta.json"
-THREAD_PROBE_SECONDS = 0.5  # how long default_num_threads watches the machine
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES,
                   META_FILE)
@@ -178,32 +177,18 @@ def load_meta(path: str | os.PathLike) -> dict:
 
 # ----------------------------------------------------------------------------- building
 
-def default_num_threads() -> int:
-    """One torch thread per core that is free now (at least one), measured once per build.
-
-    On 2 cores with another busy process, two OpenMP threads preempted in turn spin-waited on
-    each other and a target step took 0.8-1.8 s, against a steady ~0.4 s with one thread; on an
-    idle machine two threads train 1.65x faster than one. So the builder watches the machine for
-    a moment (``other_cores_now``: cores other processes keep busy) and leaves those cores alone.
-    Without ``/proc/stat`` it takes half the cores.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
-    other = other_cores_now(THREAD_PROBE_SECONDS)
-    if other is None:
-        return max(1, cores // 2)
-    return max(1, cores - math.ceil(max(0.0, other - CONTENTION_CORES)))
-
-
 @contextlib.contextmanager
 def _torch_threads(n: int | None):
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(n if n is not None else default_num_threads())))
-    log.info("building with %d torch thread(s)", torch.get_num_threads())
+    """The build's torch threads: ``n``, or the thread policy (one per core other processes
+    leave free, re-checked while training: infer/threads.py). On 2 cores beside one busy process
+    two spin-waiting threads made a target step 0.8-1.8 s against ~0.4 s with one, while alone
+    two threads train 1.65x faster than one."""
+    before = GOVERNOR.fixed
+    GOVERNOR.start(n)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        GOVERNOR.start(before)
 
 
 def _train(model, spec: TinyLMSpec, seed: int, data: TinyData, *, progress: bool,
@@ -337,7 +322,7 @@ def ensure_tiny_target(out_dir: str | os.PathLike | None = None, *, with_draft: 
 
     With ``with_draft`` (the default) the draft LM at ``draft_dir`` is ensured too, so callers may
     rely on ``paired_draft_dir(target)``. ``force`` rebuilds regardless. ``num_threads``: torch
-    threads while building (default ``default_num_threads()``). Default locations:
+    threads while building (default: the thread policy of infer/threads.py). Default locations:
     ``<cache>/tiny-target`` and ``<cache>/tiny-draft`` (see ``default_cache_dir``).
     """
     cfg = _resolve(config, overrides)

@@ -234,15 +234,6 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "xdg" / "draftsmith"
 
 
-@pytest.mark.parametrize("other_cores,expected", [(0.0, 4), (0.2, 4), (1.0, 3), (2.7, 1),
-                                                   (9.0, 1), (None, 2)])
-def test_build_threads_leave_busy_cores_alone(monkeypatch, other_cores, expected):
-    """One torch thread per core other processes leave free (half the cores when unknown)."""
-    monkeypatch.setattr(tb, "other_cores_now", lambda seconds: other_cores)
-    monkeypatch.setattr(tb.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert tb.default_num_threads() == expected
-
-
 def test_corpus_leaves_out_tables_and_tk(tmp_path):
     for rel in ("mod.py", "html/parser.py", "html/entities.py", "encodings/cp437.py",
                 "tkinter/__init__.py", "pydoc_data/topics.py", "tests/test_mod.py"):
