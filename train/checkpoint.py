@@ -147,6 +147,25 @@ def check_compatible(path: Path, state: dict[str, Any], compat: dict[str, Any]) 
                           "different output_dir / name."))
 
 
+def check_unpickled_shards(accelerator, path: Path, root: Path) -> None:
+    """Under DeepSpeed (its checkpoint engine loads with ``weights_only=False``) and FSDP
+    (torch reads a sharded checkpoint's ``.metadata`` with plain ``pickle``), resuming runs
+    whatever code the checkpoint's pickles hold; neither library offers a safe mode. So only
+    this run's own checkpoints (under ``root``, written by this run) are resumed there; a folder
+    from elsewhere is refused with the reason, for the user to decide."""
+    from accelerate.utils import DistributedType
+
+    unsafe = (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    if accelerator.distributed_type not in unsafe or path.resolve().is_relative_to(root.resolve()):
+        return
+    raise ConfigError(
+        f"trainer.resume={str(path)!r}: under {accelerator.distributed_type.value} a checkpoint is "
+        "read with pickle (DeepSpeed loads with weights_only=False, FSDP's .metadata is a "
+        "pickle), which runs any code the files hold, so only this run's own checkpoints "
+        f"({root}) are resumed. If you trust that folder, copy it into {root} and use "
+        "trainer.resume=auto")
+
+
 def load_state(accelerator, path: Path) -> None:
     """``accelerator.load_state(path)`` that loads weights only, or refuses the checkpoint.
 

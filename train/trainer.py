@@ -444,6 +444,7 @@ def _start(acc, tcfg, root: Path, compat: dict, stage: str
         return None, _Position(), {}
     state = ckpt.read_state(resume_from)
     ckpt.check_compatible(resume_from, state, compat)
+    ckpt.check_unpickled_shards(acc, resume_from, root)
     ckpt.load_state(acc, resume_from)  # weights only: a tampered pickle is refused
     pos = _Position(state["step"], state["epoch"], state["batches_in_epoch"], state["tokens"])
     return resume_from, pos, state.get("metrics", {})

@@ -404,3 +404,24 @@ def test_a_stage_can_start_from_the_previous_stages_optimizer_moments(tmp_path):
                   keep_optimizer_state=True)
     assert {int(s["step"]) for s in fresh.optimizer_state["state"].values()} == {2}
     assert run(make_cfg(tmp_path / "d", max_steps=1), rows)[1].optimizer_state is None
+
+
+def test_deepspeed_and_fsdp_resume_only_their_own_checkpoints(tmp_path):
+    """Their loaders unpickle without weights_only: a checkpoint from outside the run's own
+    folder is refused under them, accepted under plain DDP / one process."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from infer.errors import ConfigError
+    from train.checkpoint import check_unpickled_shards
+
+    root = tmp_path / "run" / "checkpoints" / "main"
+    own, foreign = root / "step_00000003", tmp_path / "elsewhere" / "step_00000003"
+    for kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        acc = SimpleNamespace(distributed_type=kind)
+        check_unpickled_shards(acc, own, root)
+        with pytest.raises(ConfigError, match="copy it into"):
+            check_unpickled_shards(acc, foreign, root)
+    for kind in (DistributedType.NO, DistributedType.MULTI_CPU):
+        check_unpickled_shards(SimpleNamespace(distributed_type=kind), foreign, root)
