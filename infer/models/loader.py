@@ -143,7 +143,7 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
     )
 
 
-def resolve_model_dir(path: str | Path) -> Path:
+def resolve_model_dir(path: str | Path, key: str = "model") -> Path:
     """A local directory, or a hub id (``owner/name``) already in the local Hugging Face cache."""
     p = Path(path).expanduser()
     if p.is_dir():
@@ -156,9 +156,9 @@ def resolve_model_dir(path: str | Path) -> Path:
         except Exception:  # not cached (or hub library absent): report the path below
             pass
     if p.exists():
-        raise MissingFileError(f"model path {path} is a file; expected a model directory")
-    raise MissingFileError(f"model directory not found: {path} (a local directory, or a hub id "
-                           "already downloaded to the Hugging Face cache)")
+        raise MissingFileError(f"{key}={str(path)!r} is a file; expected a model directory")
+    raise MissingFileError(f"{key}={str(path)!r}: model directory not found (a local directory, "
+                           "or a hub id already downloaded to the Hugging Face cache)")
 
 
 # config.json keys without a default: a Llama-family config lacking one cannot be built

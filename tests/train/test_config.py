@@ -205,3 +205,20 @@ def test_train_py_reports_a_bad_value_in_one_line_with_status_2(tmp_path):
                                    "'eval.ks[0]': 0; expected an integer >= 1")
     assert not (tmp_path / "cache").exists()
     assert [p.name for p in (tmp_path / "out" / "tiny_eagle3").iterdir()] in ([], ["hydra"])
+
+
+def test_drafter_paths_checked_before_any_work(tmp_path):
+    """drafter.init_from / drafter.model are read only after data preparation: a wrong path
+    must fail at validation, naming the key."""
+    import dataclasses
+
+    from infer.errors import MissingFileError
+    from train.config import TrainConfig
+    from train.pipeline import validate
+
+    cfg = TrainConfig()
+    for key in ("init_from", "model"):
+        bad = dataclasses.replace(cfg, drafter=dataclasses.replace(
+            cfg.drafter, **{key: str(tmp_path / "nope")}), output_dir=str(tmp_path))
+        with pytest.raises(MissingFileError, match=f"drafter.{key}="):
+            validate(bad)
