@@ -159,8 +159,10 @@ class InferConfig:
 
 # ---- validation rules: one per field, called as rule(key, value, where=...) ---------------------
 
-def _validated_when_built(key: str, value: Any, where: str) -> None:
-    """``sampling`` is a SamplingParams, which validates its own keys when it is built."""
+def _check_sampling(key: str, value: Any, where: str) -> None:
+    """``sampling`` is a SamplingParams: its own rules, run again (it may have been changed
+    since it was built)."""
+    value.validate()
 
 
 def _check_mapping(key: str, value: Any, where: str) -> None:
@@ -230,7 +232,7 @@ _EVAL_RULES = {
     "wandb_run_name": _opt_str}
 _INFER_RULES = {
     "mode": partial(check_choice, choices=Mode), "model": _opt_str, "tokenizer": _opt_str,
-    "speculative_config": _check_spec, "sampling": _validated_when_built,
+    "speculative_config": _check_spec, "sampling": _check_sampling,
     "prompts_file": _check_file, "num_prompts": partial(check_int, minimum=1), "output": _opt_str,
     "dtype": partial(check_choice, choices=Dtype), "device": _check_device,
     "max_model_len": partial(check_int, minimum=2, optional=True),

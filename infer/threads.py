@@ -119,7 +119,7 @@ class ThreadGovernor:
         """Called once per step: every ``interval_s``, resize the team to the free cores."""
         if self._last is None:
             return
-        self.ticks_at[torch.get_num_threads()] += 1
+        self.ticks_at[self._applied] += 1
         if self.fixed is not None or time.perf_counter() - self._last[0] < self.interval_s:
             return
         now = self._sample()

@@ -210,11 +210,10 @@ def _refused(path: Path, what: str, err: Exception) -> FileFormatError:
 
 
 def remove_checkpoints(root: Path) -> list[Path]:
-    """Delete every checkpoint (and leftover temporary folder) of one stage; main process."""
+    """Delete every checkpoint of one stage; main process, after ``remove_temporaries``."""
     removed = list_checkpoints(root)
     for p in removed:
         _delete(p)
-    remove_temporaries(root)
     return removed
 
 

@@ -76,7 +76,8 @@ def validate(cfg: TrainConfig) -> None:
     """Every configuration value before any work starts (a bad ``eval.ks`` used to surface after
     the whole training run): each key (``TrainConfig.validate``), the objective's name, an
     explicit ``trainer.resume`` checkpoint, and eval's chat-template variables against the
-    data's; ``drafter.init_from`` / ``drafter.model`` exist. Later stages re-check what they are handed, through the same rules."""
+    data's; ``drafter.init_from`` / ``drafter.model`` exist. Later stages re-check what they
+    are handed, through the same rules."""
     from infer.models.loader import resolve_model_dir
     from train.checkpoint import checkpoint_root, resolve_resume
     from train.evaluate import template_kwargs
