@@ -23,7 +23,7 @@ from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.metrics import SpecMetrics
 from infer.models.output import FeatureSpec, ModelOutput
-from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
+from infer.proposers.base import (proposer_class, DraftBatch, Proposal, Proposer, ProposerContext,
                                   VerifiedStep)
 from infer.rejection import greedy_verify, rejection_sample
 from infer.request import Request, RequestOutput, make_requests, prefill_groups, request_output
@@ -356,7 +356,7 @@ class LLM:
         ctx = ProposerContext(self.target.model, cfg, self.device, self.target.dtype,
                               self.max_num_seqs, self.max_model_len, cfg.vocab_size,
                               self._static_steps)
-        return PROPOSERS.get(self.spec.method)(self.spec, ctx)
+        return proposer_class(self.spec)(self.spec, ctx)
 
 
 def kv_cache_bytes(cfg, rows: int, max_len: int, dtype: torch.dtype) -> int:

@@ -31,18 +31,23 @@ from infer.validation import check_float, check_int, config_error, reject_unknow
 _WHERE = "speculative_config"
 
 # vLLM's method names. The schema accepts all of them; the engine decides which it serves.
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mlp_speculator", "mtp", "medusa")
+METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3", "dflash",
+           "mlp_speculator", "mtp", "medusa")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")  # what the sampler runs
 # vLLM's newer spelling: the rejection test "standard" and how drafts are made; "standard" with
 # greedy drafts is "strict" (accept with p(x)), with sampled drafts "probabilistic" (the p/q test)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _REJECTION_SPELLINGS = (*REJECTION_SAMPLE_METHODS, "standard")
 
-_NEEDS_MODEL = ("draft_model", "eagle", "eagle3", "mlp_speculator", "medusa")
+_NEEDS_MODEL = ("draft_model", "eagle", "eagle3", "dflash", "mlp_speculator", "medusa")
 # These draft from the context alone: a `model` would be silently ignored, so it is an error.
-_NO_MODEL = ("ngram", "suffix")
-# vLLM allows parallel drafting for the EAGLE family (MTP is one) and draft models (PARD).
-_PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp")
+_NO_MODEL = ("ngram", "ngram_gpu", "suffix")
+# vLLM allows parallel drafting for the EAGLE family (MTP is one) and draft models (PARD);
+# DFlash always drafts a block in one forward (vLLM forces it on), so the flag is accepted there.
+_PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp", "dflash")
+# speculators_model_type values that name a variant of a method rather than a method: vLLM maps
+# them to (method, parallel_drafting). P-EAGLE is an EAGLE-3 head drafting in parallel.
+_VARIANTS = {"peagle": ("eagle3", True)}
 _PROMPT_LOOKUP_DEFAULT = 5
 
 # vLLM's per-request sampling keys (a superset of draftsmith's SamplingParams fields): people copy
@@ -141,6 +146,8 @@ class SpeculativeConfig:
         if self.method is None:
             self._set("method", _infer_method(self.model, draft, path))
         _check_method_fits(self.method, draft, path)
+        if checkpoint_type(draft) in _VARIANTS:  # e.g. peagle: eagle3 + parallel drafting
+            self._set("parallel_drafting", _VARIANTS[checkpoint_type(draft)][1])
         self._check_model()
         if self.num_speculative_tokens is None:
             self._set("num_speculative_tokens", self._num_tokens_from_draft(draft, path))
@@ -307,12 +314,20 @@ def read_draft_config(path: Path | str) -> dict[str, Any]:
     return read_json(path, what=f"{_WHERE}.model's config")
 
 
-def checkpoint_method(draft: dict[str, Any]) -> str | None:
-    """The method a drafter's config.json declares (speculators type, MLP speculator), if any."""
+def checkpoint_type(draft: dict[str, Any]) -> str | None:
+    """The drafter type a config.json declares (speculators type, MLP speculator), if any:
+    ``peagle`` stays ``peagle`` here (:func:`checkpoint_method` maps it to its method)."""
     kind = draft.get("speculators_model_type")
     if kind is None and draft.get("model_type") in ("mlp_speculator", "medusa"):
         kind = draft["model_type"]
     return kind
+
+
+def checkpoint_method(draft: dict[str, Any]) -> str | None:
+    """The method a drafter's config.json declares, if any (``peagle`` -> ``eagle3``, whose
+    parallel-drafting variant it is, as vLLM maps it)."""
+    kind = checkpoint_type(draft)
+    return _VARIANTS[kind][0] if kind in _VARIANTS else kind
 
 
 def _check_method_fits(method: str, draft: dict[str, Any], path: Path | None) -> None:

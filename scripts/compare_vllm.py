@@ -2,7 +2,8 @@
 
     python scripts/compare_vllm.py --vllm-python /path/to/vllm-env/bin/python \
         --drafter eagle3=outputs/tiny_eagle3/final \
-        --drafter pard=outputs/tiny_pard/final:parallel \
+        --drafter pard=outputs/tiny_pard/final --drafter peagle=outputs/tiny_peagle/final \
+        --drafter dflash=outputs/tiny_dflash/final \
         [--target DIR] [--k 3] [--batch-sizes 1 8] [--prompts 8] [--max-tokens 64] [--repeats 3]
 
 Each engine's speedup is over its own autoregressive decoding (both greedy, ``ignore_eos``, the
@@ -10,8 +11,8 @@ same chat-rendered held-out prompts, all submitted at once with ``max_num_seqs``
 size). draftsmith runs through its harness (``run_harness``); vLLM through
 ``scripts/check_vllm.py --time`` in its own environment. The two alternate within each repeat
 (order flipped every repeat) so a slow spell of a shared machine hits both; the table shows
-medians. ``NAME=PATH`` drafters are EAGLE-3 heads (``eagle3``), EAGLE heads (``eagle``) or, with
-``:parallel``, PARD checkpoints (``draft_model`` + ``parallel_drafting``). Writes the raw runs to
+medians. ``NAME=PATH`` drafters name their method (``eagle3``, ``eagle``, ``dflash``) or a parallel
+variant (``pard``: draft_model, ``peagle``: eagle3, both with ``parallel_drafting``). Writes the raw runs to
 ``--out`` (JSON; the prompts beside it). Before each engine's turn it waits until the machine is idle (see
 ``wait_until_idle``); draftsmith's rows record the cores other processes used while timed.
 """
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infer.eval.harness import run_harness  # noqa: E402
 from infer.eval.machine import other_cores_now  # noqa: E402
+from infer.spec_config import METHODS  # noqa: E402
 from infer.target import Target  # noqa: E402
 from train.tiny.build import ensure_tiny_target  # noqa: E402
 from train.tiny.examples import heldout_prompts  # noqa: E402
@@ -37,15 +39,22 @@ from train.tiny.examples import heldout_prompts  # noqa: E402
 CHECK_VLLM = Path(__file__).resolve().parent / "check_vllm.py"
 
 
+# drafter labels that name a parallel-drafting variant: (method, parallel_drafting)
+VARIANTS = {"pard": ("draft_model", True), "peagle": ("eagle3", True)}
+
+
 def speculative_config(arg: str) -> tuple[str, dict]:
-    """``NAME=PATH[:parallel]`` -> (name, vLLM speculative_config without k)."""
+    """``NAME=PATH[:parallel]`` -> (name, vLLM speculative_config without k). NAME is a method
+    (``eagle3``, ``dflash``) or a variant of one (``pard``: draft_model, ``peagle``: eagle3, both
+    with parallel drafting); ``:parallel`` turns parallel drafting on for a method name."""
     name, _, path = arg.partition("=")
     path, _, flag = path.partition(":")
-    if not name or not path:
-        raise SystemExit(f"--drafter {arg!r}: expected NAME=PATH or NAME=PATH:parallel")
-    if flag == "parallel":
-        return name, {"method": "draft_model", "model": path, "parallel_drafting": True}
-    return name, {"method": name, "model": path}
+    method, parallel = VARIANTS.get(name, (name, flag == "parallel"))
+    if not path or flag not in ("", "parallel") or method not in METHODS:
+        raise SystemExit(f"--drafter {arg!r}: expected NAME=PATH[:parallel] with NAME one of "
+                         f"{', '.join([*METHODS, *VARIANTS])}")
+    spec = {"method": method, "model": path}
+    return name, {**spec, "parallel_drafting": True} if parallel else spec
 
 
 def wait_until_idle(max_seconds: float = 60.0) -> float | None:

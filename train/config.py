@@ -161,13 +161,17 @@ class DrafterConfig:
     """The drafter architecture; keys a method does not use are ignored by it."""
 
     method: str = "eagle3"
-    """The objective (train/objectives/): eagle3, eagle, mlp_speculator or pard."""
+    """The objective (train/objectives/): eagle3, eagle, peagle, dflash, mlp_speculator or
+    pard."""
     draft_vocab_size: int = 1024
-    """eagle3: LM head over the most frequent training-target tokens."""
+    """eagle3 / peagle / dflash: LM head over the most frequent training-target tokens."""
     aux_layer_ids: Optional[List[int]] = None
-    """eagle3: target residual streams fed to the head; None: [2, n // 2, n - 3] made valid."""
+    """eagle3 / peagle / dflash: target residual streams fed to the head; None: the method's
+    default (eagle3: [2, n // 2, n - 3] made valid; dflash: spread over the layers)."""
+    num_layers: int = 1
+    """dflash: draft decoder layers (the reference uses 5)."""
     intermediate_size: Optional[int] = None
-    """eagle / eagle3: the draft layer's MLP width; None: the target's."""
+    """eagle / eagle3 / peagle / dflash: the draft layers' MLP width; None: the target's."""
     norm_before_residual: bool = True
     """eagle3: residual = hidden_norm(g) (speculators' flag)."""
     norm_output: bool = False
@@ -192,7 +196,7 @@ class DrafterConfig:
     model: Optional[str] = None
     """pard: the draft causal LM to adapt; None: the embedded tiny draft."""
     mask_token_id: Optional[int] = None
-    """pard: the mask token; None: picked automatically (an unused id)."""
+    """pard / peagle / dflash: the mask token; None: picked automatically (an unused id)."""
     init_from: Optional[str] = None
     """Start from an exported checkpoint of this method."""
 
@@ -216,9 +220,17 @@ class ObjectiveConfig:
     pard_k: int = 8
     """pard: copies of the sequence (drafts per forward)."""
     cod_ratio: float = 0.7
-    """pard: copy i keeps max(cod_ratio ** i, cod_min) of the positions."""
+    """pard / peagle: copy (depth) i keeps max(cod_ratio ** i, cod_min) of the positions."""
     cod_min: float = 0.2
-    """pard: the floor of that fraction."""
+    """pard / peagle: the floor of that fraction."""
+    parallel_depths: int = 8
+    """peagle: drafts per forward trained (depths; the most a server may ask for)."""
+    block_size: int = 16
+    """dflash: block slots (1 verified token + block_size - 1 masks = the most drafts)."""
+    max_anchors: int = 512
+    """peagle / dflash: at most this many anchors (chains / blocks) per packed row."""
+    decay_gamma: float = 7.0
+    """dflash: slot k's loss weight is exp(-(k - 1) / decay_gamma)."""
     stage2_steps: int = 0
     """mlp_speculator: optimizer steps of stage 2 on the target's own answers; 0: off."""
     stage2_lr_factor: float = 0.1
@@ -404,7 +416,7 @@ _SECTION_RULES = {
                  "dtype": _choice(StorageDtype), "rows_per_shard": _pos, "batch_size": _pos},
     "drafter": {"method": check_str, "draft_vocab_size": _pos,
                 "aux_layer_ids": partial(check_list, item=_nonneg, optional=True),
-                "intermediate_size": _opt_pos, "norm_before_residual": _flag,
+                "num_layers": _pos, "intermediate_size": _opt_pos, "norm_before_residual": _flag,
                 "norm_output": _flag, "fc_norm": _flag, "norm_before_fc": _flag,
                 "lm_head_init": _choice(LmHeadInit), "embed_requires_grad": _flag,
                 "n_predict": _pos, "inner_dim": _nonneg, "tie_weights": _flag,
@@ -412,7 +424,9 @@ _SECTION_RULES = {
                 "init_from": _opt_str},
     "objective": {"ttt_steps": _pos, "step_weight": _weight, "feature_noise": _weight,
                   "regression_weight": _weight, "ce_weight": _weight, "kd_weight": _weight,
-                  "pard_k": _pos, "cod_ratio": _share, "cod_min": _share, "stage2_steps": _nonneg,
+                  "pard_k": _pos, "cod_ratio": _share, "cod_min": _share,
+                  "parallel_depths": _pos, "block_size": partial(check_int, minimum=2),
+                  "max_anchors": _pos, "decay_gamma": _positive, "stage2_steps": _nonneg,
                   "stage2_lr_factor": _positive, "stage2_warmup_steps": _opt_nonneg,
                   "stage2_min_lr_ratio": _fraction},
     "trainer": {"lr": _positive, "weight_decay": _weight, "betas": _check_betas,

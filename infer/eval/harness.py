@@ -41,7 +41,7 @@ from infer.eval.machine import CpuMonitor, CpuWindow, machine_settings
 from infer.eval.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
 from infer.eval.results import Baseline, ConfigResult, HarnessReport
 from infer.metrics import SpecMetrics
-from infer.proposers.base import PROPOSERS
+from infer.proposers.base import PROPOSERS, proposer_class
 from infer.request import RequestOutput
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
@@ -85,7 +85,7 @@ class HarnessConfig:
         if self.temperature > 0 and not {"rejection_sample_method",
                                          "draft_sample_method"} & given.keys() \
                 and spec.method in PROPOSERS.names() \
-                and PROPOSERS.get(spec.method).provides_draft_probs:
+                and proposer_class(spec).provides_draft_probs:
             spec = SpeculativeConfig.parse({**given, "draft_sample_method": "probabilistic"})
         return spec
 

@@ -32,6 +32,7 @@ from infer.models.output import FeatureSpec, ModelOutput
 from infer.registry import Registry
 from infer.sampling import BatchGenerator, Generator
 from infer.spec_config import SpeculativeConfig
+from infer.validation import config_error
 
 
 @dataclass
@@ -103,6 +104,9 @@ class Proposer(ABC):
     name: ClassVar[str] = ""  # the method it is registered as
     #: whether the proposer drafts probabilities usable by ``probabilistic`` rejection
     provides_draft_probs: bool = False
+    #: what it does with ``parallel_drafting``: False = chains only (the flag is refused), True
+    #: = one forward per step whatever the flag, None = both (it reads the flag itself)
+    parallel_drafting: ClassVar[bool | None] = False
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         self.spec = spec
@@ -140,6 +144,24 @@ class Proposer(ABC):
 PROPOSERS: Registry[type[Proposer]] = Registry(
     "infer.proposers", "method", "speculative_config",
     allowed="a method this engine serves: {names}")
+
+
+def proposer_class(spec: SpeculativeConfig) -> type[Proposer]:
+    """The proposer serving ``spec``: ``METHOD/parallel`` when parallel drafting is on and such a
+    proposer is registered (P-EAGLE is ``eagle3/parallel``), else ``METHOD``; a method whose
+    proposer cannot draft in parallel refuses the flag instead of silently drafting chains."""
+    parallel = f"{spec.method}/parallel"
+    if spec.parallel_drafting and parallel in PROPOSERS.names():
+        return PROPOSERS.get(parallel)
+    cls = PROPOSERS.get(spec.method)
+    if spec.parallel_drafting and cls.parallel_drafting is False:
+        served = [n.removesuffix("/parallel") for n in PROPOSERS.names()
+                  if n.endswith("/parallel") or PROPOSERS.get(n).parallel_drafting is not False]
+        raise config_error("parallel_drafting", True, "false for method "
+                           f"{spec.method!r}: this engine drafts in parallel with "
+                           f"{', '.join(sorted(set(served)))} (P-EAGLE: eagle3 with a peagle "
+                           "checkpoint; PARD: draft_model)", "speculative_config")
+    return cls
 
 
 def pad_drafts(drafts: list[list[int]], k: int, device: torch.device) -> torch.Tensor:

@@ -34,6 +34,7 @@ MASK_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")
 @PROPOSERS.register("draft_model")
 class DraftModelProposer(Proposer):
     provides_draft_probs = True
+    parallel_drafting = None  # sequential, or PARD with the flag
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         super().__init__(spec, ctx)

@@ -128,3 +128,9 @@ class NgramProposer(Proposer):
 
     def finish(self, slot: int) -> None:
         self._histories.pop(slot, None)
+
+
+@PROPOSERS.register("ngram_gpu")
+class NgramGpuProposer(NgramProposer):
+    """``ngram_gpu``: vLLM computes the same prompt lookup on the device; the drafts are the
+    same, so on every device this engine runs the one CPU implementation above."""

@@ -2,7 +2,8 @@
 
 import pytest
 
-from infer.proposers.base import PROPOSERS, Proposer
+from infer.proposers.base import PROPOSERS, Proposer, proposer_class
+from infer.spec_config import SpeculativeConfig
 from infer.registry import Registry
 from train.objectives.base import OBJECTIVES, Objective
 
@@ -42,3 +43,19 @@ def test_every_builtin_is_registered():
         PROPOSERS.get("no_such_method")
     with pytest.raises(ValueError, match=r"'drafter.method': 'x'.*eagle3, mlp_speculator, pard"):
         OBJECTIVES.get("x")
+
+
+def test_proposer_class_follows_parallel_drafting():
+    """``METHOD/parallel`` serves parallel drafting where registered; a proposer that handles
+    the flag itself (draft_model: PARD) serves both; a chain-only one refuses the flag instead of
+    silently drafting chains."""
+    def spec(**kw):
+        return SpeculativeConfig(num_speculative_tokens=3, **kw)
+
+    assert proposer_class(spec(method="draft_model", model="m")).name == "draft_model"
+    assert proposer_class(spec(method="draft_model", model="m",
+                               parallel_drafting=True)).name == "draft_model"
+    assert proposer_class(spec(method="eagle", model="m")).name == "eagle"
+    with pytest.raises(ValueError, match=r"'parallel_drafting'.*'eagle'.*draft_model"):
+        proposer_class(spec(method="eagle", model="m", parallel_drafting=True))
+    assert proposer_class(spec(method="ngram_gpu")).name == "ngram_gpu"

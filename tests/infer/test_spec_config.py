@@ -79,7 +79,7 @@ BAD = [
     ({}, ["'method'", "'model'", "None"]),
     ({"num_speculative_tokens": 3}, ["'method'", "'model'"]),
     ({"method": "lookahead", "num_speculative_tokens": 3},
-     ["'method'", "'lookahead'", "ngram, suffix, draft_model, eagle, eagle3"]),
+     ["'method'", "'lookahead'", "ngram, ngram_gpu, suffix, draft_model, eagle, eagle3, dflash"]),
     ({"method": "eagle3", "num_speculative_tokens": 3}, ["'model'", "None", "eagle3"]),
     ({"method": "eagle", "num_speculative_tokens": 3}, ["'model'", "'eagle'"]),
     ({"method": "draft_model", "num_speculative_tokens": 3}, ["'model'", "'draft_model'"]),
@@ -106,7 +106,10 @@ BAD = [
     ({"method": "ngram", "num_speculative_tokens": 3, "max_model_len": 0},
      ["'max_model_len'", "0", ">= 1"]),
     ({"method": "ngram", "num_speculative_tokens": 3, "parallel_drafting": True},
-     ["'parallel_drafting'", "True", "'ngram'", "draft_model, eagle, eagle3"]),
+     ["'parallel_drafting'", "True", "'ngram'", "draft_model, eagle, eagle3, mtp, dflash"]),
+    ({"method": "ngram_gpu", "model": "m", "num_speculative_tokens": 3},
+     ["'model'", "'ngram_gpu'", "loads no model"]),
+    ({"method": "dflash", "num_speculative_tokens": 3}, ["'model'", "'dflash' needs one"]),
     ({"method": "mlp_speculator", "model": "m", "num_speculative_tokens": 3,
       "parallel_drafting": True}, ["'parallel_drafting'", "'mlp_speculator'"]),
     ({"method": "ngram", "num_speculative_tokens": 3, "parallel_drafting": "yes"},
@@ -178,8 +181,8 @@ def test_num_speculative_tokens_error_text(k):
 
 
 def test_method_tables():
-    assert METHODS == ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mlp_speculator",
-                       "mtp", "medusa")
+    assert METHODS == ("ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3",
+                       "dflash", "mlp_speculator", "mtp", "medusa")
     assert REJECTION_SAMPLE_METHODS == ("strict", "probabilistic", "synthetic")
 
 
@@ -221,6 +224,32 @@ def test_infer_speculators_eagle3(tmp_path):
     assert (cfg.method, cfg.num_speculative_tokens) == ("eagle3", 5)
     explicit = SpeculativeConfig.parse({"model": str(path), "num_speculative_tokens": 3})
     assert explicit.num_speculative_tokens == 3  # the user's k wins over the checkpoint's
+
+
+def test_infer_peagle_is_eagle3_with_parallel_drafting(tmp_path):
+    """vLLM maps a ``peagle`` speculators checkpoint to eagle3 + parallel drafting, whether the
+    method is inferred or given."""
+    path = _draft_dir(tmp_path, "head", {**SPECULATORS_EAGLE3, "speculators_model_type": "peagle",
+                                         "mask_token_id": 7})
+    for given in ({"model": str(path)}, {"model": str(path), "method": "eagle3"}):
+        cfg = SpeculativeConfig.parse(given)
+        assert (cfg.method, cfg.parallel_drafting, cfg.num_speculative_tokens) == \
+            ("eagle3", True, 5)
+        assert SpeculativeConfig.parse(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="'peagle'.*not 'eagle'|declares a 'eagle3'"):
+        SpeculativeConfig.parse({"model": str(path), "method": "eagle"})
+
+
+def test_infer_dflash(tmp_path):
+    path = _draft_dir(tmp_path, "block", {**SPECULATORS_EAGLE3, "speculators_model_type": "dflash"})
+    cfg = SpeculativeConfig.parse({"model": str(path)})
+    assert (cfg.method, cfg.num_speculative_tokens) == ("dflash", 5)
+
+
+def test_ngram_gpu_mirrors_ngram():
+    cfg = SpeculativeConfig.parse({"method": "ngram_gpu", "num_speculative_tokens": 3,
+                                   "prompt_lookup_max": 4})
+    assert (cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (4, 4)
 
 
 def test_speculators_tokens_with_explicit_method(tmp_path):

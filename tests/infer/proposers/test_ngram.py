@@ -15,11 +15,11 @@ def propose(tokens, n_min, n_max, k):
     return ngram_propose(np.array(tokens, dtype=np.int64), n_min, n_max, k)
 
 
-def make_proposer(n_min=2, n_max=3, k=3):
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=n_min,
+def make_proposer(n_min=2, n_max=3, k=3, method="ngram"):
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=n_min,
                              prompt_lookup_max=n_max)
     ctx = ProposerContext(None, None, torch.device("cpu"), torch.float32, 4, 1024, 100)
-    return PROPOSERS.get("ngram")(spec, ctx)
+    return PROPOSERS.get(method)(spec, ctx)
 
 
 def test_match_found():
@@ -62,6 +62,20 @@ def test_most_recent_occurrence_with_full_continuation():
 def test_registry():
     assert PROPOSERS.get("ngram") is NgramProposer
     assert NgramProposer.provides_draft_probs is False
+
+
+def test_ngram_gpu_drafts_what_ngram_drafts():
+    """``ngram_gpu`` has ngram's semantics (vLLM computes it on the device): same drafts."""
+    rng = random.Random(0)
+    histories = [[rng.randrange(6) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    drafts = {}
+    for method in ("ngram", "ngram_gpu"):
+        prop = make_proposer(method=method)
+        for slot, toks in enumerate(histories):
+            prop.start(slot, toks)
+        drafts[method] = prop.propose(DraftBatch([0, 1, 2, 3], histories, 3)).draft_ids
+    assert (drafts["ngram"] >= 0).any()
+    assert torch.equal(drafts["ngram"], drafts["ngram_gpu"])
 
 
 def test_proposer_batch_padding_and_incremental_history():
