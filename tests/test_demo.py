@@ -59,3 +59,34 @@ def test_trained_head_beats_the_untrained_draft_lm_when_greedy(report):
               and (r["temperature"], r["batch_size"], r["k"]) == (0.0, row["batch_size"], row["k"])]
         if lm:
             assert row["acceptance_length"] > lm[0]["acceptance_length"], (row, lm[0])
+
+
+# ---- the parallel and block drafters (`make demo-parallel`: tiny_peagle, tiny_dflash) ------------
+
+PARALLEL_GREEDY_FLOOR = 1.3  # acceptance length at the recipe's k, temperature 0
+
+
+def _parallel_reports() -> list[Path]:
+    paths = os.environ.get("DRAFTSMITH_PARALLEL_RESULTS", "")
+    return [Path(p) for p in paths.split(os.pathsep) if p]
+
+
+@pytest.mark.parametrize("path", _parallel_reports() or [None])
+def test_parallel_drafter_beats_the_untrained_draft_lm(path):
+    """``DRAFTSMITH_PARALLEL_RESULTS``: results.json files of ``python train.py recipe=NAME``
+    (``outputs/NAME/eval/results.json``, os.pathsep-separated). The trained drafter (rows
+    labelled NAME) must be lossless, clear a floor well under what it measures
+    (docs/benchmarks.md) and beat the untrained draft LM on the same prompts and k, greedy."""
+    if path is None:
+        pytest.skip("DRAFTSMITH_PARALLEL_RESULTS not set (.ci/run sets it after training)")
+    report = json.loads(path.read_text())
+    name = path.parent.parent.name  # outputs/NAME/eval/results.json
+    rows = [r for r in report["results"] if r["method"] == name and r["temperature"] == 0.0]
+    assert rows, f"no greedy rows of {name} in {path}"
+    for row in rows:
+        assert row["lossless"], row
+        assert row["acceptance_length"] > PARALLEL_GREEDY_FLOOR, row
+        lm = [r for r in report["results"] if r["method"] == "draft_model"
+              and (r["temperature"], r["batch_size"], r["k"]) == (0.0, row["batch_size"], row["k"])]
+        assert lm, f"no untrained draft_model row beside {name} at k={row['k']}"
+        assert row["acceptance_length"] > lm[0]["acceptance_length"], (row, lm[0])

@@ -169,7 +169,7 @@ class DrafterConfig:
     """eagle3 / peagle / dflash: target residual streams fed to the head; None: the method's
     default (eagle3: [2, n // 2, n - 3] made valid; dflash: spread over the layers)."""
     num_layers: int = 1
-    """dflash: draft decoder layers (the reference uses 5)."""
+    """dflash / eagle3 / peagle: draft decoder layers (dflash's reference uses 5, P-EAGLE 4)."""
     intermediate_size: Optional[int] = None
     """eagle / eagle3 / peagle / dflash: the draft layers' MLP width; None: the target's."""
     norm_before_residual: bool = True

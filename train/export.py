@@ -65,6 +65,10 @@ def vllm_requirements(config: Eagle3Config, num_target_layers: int | None = None
     """What serving ``config`` asks of vLLM, beyond its oldest EAGLE-3 support (0.10.1:
     speculators configs with ``norm_before_residual``)."""
     out = [VllmRequirement("norm_before_residual", (0, 10, 1), "has no speculators EAGLE-3")]
+    if config.num_layers > 1:  # vllm#26164, opened after 0.11.0 was cut; the release is
+        # inferred from its date, not read from release source like the others
+        out.append(VllmRequirement(f"num_hidden_layers={config.num_layers}", (0, 11, 1),
+                                   "builds one decoder layer and fails to load layers.1.*"))
     if config.norm_before_fc:
         out.append(VllmRequirement("norm_before_fc=true", (0, 19, 0),
                                    "drops the key and skips input_norm (0.18) or cannot load "
@@ -116,6 +120,10 @@ def sglang_config(config: Eagle3Config, where: str = "export_sglang") -> dict:
                                f"{SGLANG_ARCHITECTURE} implements only {flag}={value} (train "
                                f"with drafter.{flag}={str(value).lower()} for an SGLang export)",
                                where)
+    if config.num_layers != 1:
+        raise config_error("transformer_layer_config.num_hidden_layers", config.num_layers,
+                           f"1: SGLang's {SGLANG_ARCHITECTURE} has one decoder layer (midlayer; "
+                           "train with drafter.num_layers=1 for an SGLang export)", where)
     ids = config.eagle_aux_hidden_state_layer_ids
     if ids is not None and (len(ids) != 3 or min(ids) < 1):
         raise config_error("eagle_aux_hidden_state_layer_ids", ids, "three ids >= 1 (SGLang's "

@@ -8,7 +8,16 @@ Architecture (one step, per position ``t``)::
     x     = cat(input_layernorm(embed(token_{t+1})), hidden_norm(g_t))    # [.., 2H]
     h     = residual + attn(x);  residual = g_t (or hidden_norm(g_t) if norm_before_residual)
     h     = h + mlp(post_attention_layernorm(h))
+    h     = DecoderLayer_i(h)  for i = 1 .. N - 1      # only with num_hidden_layers = N > 1
     logits over the draft vocabulary = lm_head(norm(h));  draft id i -> target id i + d2t[i]
+
+Layers ``1 .. N - 1`` are plain pre-norm Llama layers over ``h`` alone (q/k/v take ``H``, no
+embedding, no ``hidden_norm``), as vLLM's ``Eagle3LlamaForCausalLM`` builds them (>= 0.11.1,
+``llama_eagle3.py``: its fused add+norm threads ``residual`` so that layer ``i`` sees
+``input_layernorm(h_{i-1})`` and the final ``norm`` takes the running sum ``h``). vLLM creates a
+``hidden_norm`` in every layer but only layer 0 uses it and a missing one is never checked
+(``load_weights`` returns no loaded-name set), so checkpoints carry it for layer 0 only; a
+``layers.{i>=1}.hidden_norm.weight`` found on load is dropped, as vLLM never reads it.
 
 The next step feeds ``h`` back in place of ``g`` (``norm(h)`` when ``norm_output``): at
 inference that chains the k drafts, in training it is the training-time-test unroll. Positions
@@ -25,17 +34,19 @@ custom ids (0.11.1+) serves; ``train/export.py`` lists the version each choice n
 
 Checkpoint: ``config.json`` with the speculators keys (:class:`Eagle3Config`) and
 ``model.safetensors`` with ``fc.weight``, ``layers.0.*`` (``q/k/v`` take ``2H``,
-``layers.0.hidden_norm.weight``), ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``, and
-``embed_tokens.weight`` only when the drafter has its own embedding (absent -> the target's is
-shared, as vLLM does). ``input_norm.weight`` / ``fc_norm.{i}.weight`` exist only with their flags.
-SGLang's layout (``midlayer.*`` names, its Llama-style ``config.json``: ``from_sglang_dict``)
-is accepted on load; ``verifier_*`` tensors are ignored.
+``layers.0.hidden_norm.weight``), ``layers.{1..N-1}.*`` (plain Llama layers), ``norm.weight``,
+``lm_head.weight``, ``d2t``, ``t2d``, and ``embed_tokens.weight`` only when the drafter has its
+own embedding (absent -> the target's is shared, as vLLM does). ``input_norm.weight`` /
+``fc_norm.{i}.weight`` exist only with their flags. SGLang's layout (``midlayer.*`` names, its
+Llama-style ``config.json``: ``from_sglang_dict``) is accepted on load; ``verifier_*`` tensors
+are ignored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +55,7 @@ from infer.drafters.common import (PairDrafter, StepKV, gather_rows, hf_layer_co
                                    read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
-from infer.models.llama import MLP, Attention, ModelConfig, RMSNorm
+from infer.models.llama import MLP, Attention, DecoderLayer, ModelConfig, RMSNorm
 from infer.models.rope import rope_cos_sin, rope_frequencies
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import check_int, config_error
@@ -54,6 +65,14 @@ SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang / SpecForge layout (rea
 SPECULATORS_VERSION = "0.3.0"
 _WHERE = "eagle3 config.json"
 _IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def _unused_hidden_norm(name: str) -> bool:
+    """``layers.{i>=1}.hidden_norm.weight``: vLLM builds one in every layer but reads only layer
+    0's, so another exporter may ship the rest; they are dropped on load (vLLM ignores them)."""
+    parts = name.split(".")
+    return (len(parts) == 4 and parts[0] == "layers" and parts[1] not in ("0", "")
+            and parts[2] == "hidden_norm")
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -101,10 +120,8 @@ class Eagle3Config:
         if not isinstance(self.transformer_layer_config, dict):
             raise config_error("transformer_layer_config", self.transformer_layer_config,
                                "a JSON object (the draft layer's Llama/Qwen3 config)", _WHERE)
-        layers = self.transformer_layer_config.get("num_hidden_layers", 1)
-        if layers != 1:
-            raise config_error("transformer_layer_config.num_hidden_layers", layers,
-                               "1 (one EAGLE-3 decoder layer)", _WHERE)
+        check_int("transformer_layer_config.num_hidden_layers",
+                  self.transformer_layer_config.get("num_hidden_layers", 1), _WHERE, minimum=1)
         vocab = self.transformer_layer_config.get("vocab_size")
         check_int("transformer_layer_config.vocab_size", vocab, _WHERE, minimum=1)
         check_int("draft_vocab_size", self.draft_vocab_size, _WHERE, minimum=1)
@@ -130,6 +147,11 @@ class Eagle3Config:
     @property
     def vocab_size(self) -> int:
         return self.transformer_layer_config["vocab_size"]
+
+    @property
+    def num_layers(self) -> int:
+        """Draft decoder layers: the EAGLE-3 layer + ``num_layers - 1`` plain Llama layers."""
+        return self.transformer_layer_config.get("num_hidden_layers", 1)
 
     @property
     def target_hidden(self) -> int:
@@ -245,14 +267,17 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, target: ModelConfig, *, draft_vocab_size: int | None = None,
                    aux_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
-                   verifier_name_or_path: str | None = None, **flags) -> "Eagle3Config":
-        """A drafter shaped like ``target`` (same heads, hidden size and RoPE, one layer).
+                   verifier_name_or_path: str | None = None, num_layers: int = 1,
+                   **flags) -> "Eagle3Config":
+        """A drafter shaped like ``target`` (same heads, hidden size and RoPE) with
+        ``num_layers`` decoder layers (speculators' P-EAGLE uses 4).
 
         The draft layer is a plain Llama layer whatever the target family (no attention bias, no
         qk-norm): vLLM builds every speculators EAGLE-3 head as ``Eagle3LlamaForCausalLM``, and
         speculators' own Qwen3 heads declare ``model_type: llama`` too.
         """
-        layer = hf_layer_config(target, intermediate_size=intermediate_size)
+        layer = hf_layer_config(target, num_layers=num_layers,
+                                intermediate_size=intermediate_size)
         layer.update(architectures=["LlamaForCausalLM"], model_type="llama",
                      attention_bias=False, mlp_bias=False)
         return cls(
@@ -266,7 +291,7 @@ class Eagle3Config:
 
 
 class Eagle3Layer(nn.Module):
-    """The one decoder layer: q/k/v over ``cat(input_layernorm(embeds), hidden_norm(g))``."""
+    """Decoder layer 0: q/k/v over ``cat(input_layernorm(embeds), hidden_norm(g))``."""
 
     def __init__(self, cfg: ModelConfig, norm_before_residual: bool):
         super().__init__()
@@ -295,6 +320,9 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(PairDrafter):
     """EAGLE-3 draft model: see the module doc for the math and the checkpoint format."""
 
+    #: the config.json class ``from_pretrained`` parses (P-EAGLE's head extends both)
+    config_class: ClassVar[type[Eagle3Config]] = Eagle3Config
+
     def __init__(self, config: Eagle3Config, *, with_embedding: bool | None = None):
         super().__init__()
         self.config = config
@@ -305,7 +333,8 @@ class Eagle3Drafter(PairDrafter):
         self.fc_norm = (nn.ModuleList(RMSNorm(ht, eps) for _ in range(config.num_aux))
                         if config.fc_norm else None)
         self.fc = nn.Linear(n_in, h, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual)])
+        self.layers = nn.ModuleList([Eagle3Layer(lc, config.norm_before_residual)] + [
+            DecoderLayer(lc, i) for i in range(1, lc.num_layers)])  # KV cache layer i = layer i
         self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         if with_embedding is None:
@@ -379,6 +408,8 @@ class Eagle3Drafter(PairDrafter):
         embeds = self.embed(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, hidden.dtype)
         h = self.layers[0](embeds, hidden, cos, sin, mask, step)  # [B, T, H]
+        for layer in self.layers[1:]:  # plain Llama layers over h (vLLM's layer_idx > 0)
+            h = layer(h, cos, sin, mask, step)  # [B, T, H]
         h = gather_rows(h, logits_at)  # [B, K, H]
         normed = self.norm(h)
         return self.lm_head(normed), (normed if self.config.norm_output else h)
@@ -394,9 +425,10 @@ class Eagle3Drafter(PairDrafter):
                         device: str | torch.device = "cpu") -> "Eagle3Drafter":
         """Load a speculators (or SGLang ``midlayer``) EAGLE-3 checkpoint, frozen, eval mode."""
         raw, state, model_dir = read_checkpoint(path, "eagle3")
-        config = Eagle3Config.from_dict(raw)
+        config = cls.config_class.from_dict(raw)
         state = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
-                 for k, v in state.items() if k not in _IGNORED}
+                 for k, v in state.items() if k not in _IGNORED and not _unused_hidden_norm(k)}
+        cls.check_state(state, model_dir)
         with torch.device("meta"):
             model = cls(config, with_embedding="embed_tokens.weight" in state)
         if "d2t" not in state:  # vLLM's default: identity over the first draft_vocab_size ids
@@ -411,3 +443,8 @@ class Eagle3Drafter(PairDrafter):
                                        else v.dtype) for k, v in state.items()}, assign=True)
         model.init_buffers()
         return model.requires_grad_(False).eval()
+
+    @classmethod
+    def check_state(cls, state: dict[str, Tensor], model_dir: Path) -> None:
+        """Hook for subclasses: refuse a checkpoint lacking a tensor they need with a message
+        naming it (before the generic missing/unexpected-weights check)."""

@@ -10,6 +10,8 @@ full target vocabulary.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -24,8 +26,12 @@ from infer.validation import config_error
 
 @PROPOSERS.register("eagle3")
 class Eagle3Proposer(EagleChainProposer):
+    #: the head class loaded (P-EAGLE's proposer loads its subclass with the same checks)
+    drafter_class: ClassVar[type[Eagle3Drafter]] = Eagle3Drafter
+
     def load_drafter(self, spec: SpeculativeConfig, ctx: ProposerContext) -> Eagle3Drafter:
-        drafter = Eagle3Drafter.from_pretrained(spec.model, dtype=ctx.dtype, device=ctx.device)
+        drafter = self.drafter_class.from_pretrained(spec.model, dtype=ctx.dtype,
+                                                     device=ctx.device)
         cfg, target = drafter.config, ctx.target_config
         where = f"eagle3 drafter {spec.model}"
         n = target.num_layers

@@ -39,9 +39,14 @@ def heads(tmp_path_factory, target4):
     e3 = _randomize(Eagle3Drafter(Eagle3Config.for_target(cfg, draft_vocab_size=48)), 1)
     e3.set_vocab(torch.arange(0, 96, 2))  # every other target id
     e3.save_pretrained(root / "eagle3")
+    two = _randomize(Eagle3Drafter(Eagle3Config.for_target(cfg, draft_vocab_size=48,
+                                                           num_layers=2)), 3)
+    two.set_vocab(torch.arange(1, 96, 2))
+    two.save_pretrained(root / "eagle3_2layers")
     e1 = _randomize(EagleDrafter(EagleConfig.for_target(cfg)), 2)
     e1.save_pretrained(root / "eagle")
-    return {"eagle3": str(root / "eagle3"), "eagle": str(root / "eagle")}
+    return {"eagle3": str(root / "eagle3"), "eagle": str(root / "eagle"),
+            "eagle3_2layers": str(root / "eagle3_2layers")}
 
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
@@ -66,12 +71,13 @@ def test_eagle3_sampling_probabilistic_runs(target4, heads):
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "eagle"])
-def test_static_steps_equal_plain_steps(target4, heads, method, monkeypatch):
+@pytest.mark.parametrize("method,head", [("eagle3", "eagle3"), ("eagle", "eagle"),
+                                         ("eagle3", "eagle3_2layers")])
+def test_static_steps_equal_plain_steps(target4, heads, method, head, monkeypatch):
     """The fixed-shape path CUDA graphs record (run eagerly here) drafts and verifies exactly as
     the plain forwards: the head's one-pair steps get the fed-back hidden state through a static
     buffer."""
-    spec = {"method": method, "model": heads[method], "num_speculative_tokens": 3}
+    spec = {"method": method, "model": heads[head], "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0.0, max_tokens=12)
     plain = LLM(target4, speculative_config=spec, max_num_seqs=2)
     want = plain.generate(PROMPTS, params)
@@ -86,9 +92,10 @@ def test_static_steps_equal_plain_steps(target4, heads, method, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("method", ["eagle3", "eagle"])
-def test_cuda_graph_steps_equal_eager_steps(target4, heads, method):
-    spec = {"method": method, "model": heads[method], "num_speculative_tokens": 3}
+@pytest.mark.parametrize("method,head", [("eagle3", "eagle3"), ("eagle", "eagle"),
+                                         ("eagle3", "eagle3_2layers")])
+def test_cuda_graph_steps_equal_eager_steps(target4, heads, method, head):
+    spec = {"method": method, "model": heads[head], "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0.0, max_tokens=12)
     runs = [LLM(target4, speculative_config=spec, max_num_seqs=2, device="cuda",
                 dtype="float32", enforce_eager=eager) for eager in (True, False)]
@@ -113,3 +120,17 @@ def test_seeded_request_ignores_its_batch(target4, heads, method):
         PROMPTS, [params(), params(), params(42), params()])
     assert crowd[2].token_ids == alone[0].token_ids
     assert crowd[2].metrics["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("k,max_num_seqs", [(1, 4), (3, 2)])
+def test_two_layer_eagle3_greedy_equals_autoregressive(target4, heads, k, max_num_seqs):
+    """vLLM's num_hidden_layers = 2 EAGLE-3 head: each draft runs both layers, with a KV cache
+    per layer, and greedy output is still the target's."""
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
+    spec = {"method": "eagle3", "model": heads["eagle3_2layers"], "num_speculative_tokens": k}
+    llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
+    assert len(llm.proposer.drafter.layers) == 2
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert llm.get_metrics()["num_drafts"] > 0

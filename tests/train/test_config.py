@@ -10,8 +10,9 @@ from omegaconf import OmegaConf
 from train.config import DEFAULT_RECIPE, TrainConfig, recipe_names, register_configs
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
-EXPECTED = {"tiny_eagle3", "tiny_eagle", "tiny_mlp", "tiny_pard", "eagle3_llama8b",
-            "eagle3_qwen3_8b", "eagle_llama8b", "mlp_llama8b", "pard_llama8b"}
+EXPECTED = {"tiny_eagle3", "tiny_eagle", "tiny_mlp", "tiny_pard", "tiny_peagle", "tiny_dflash",
+            "eagle3_llama8b", "eagle3_qwen3_8b", "eagle_llama8b", "mlp_llama8b", "pard_llama8b",
+            "peagle_llama8b", "dflash_qwen3_8b"}
 
 
 def compose_train(overrides):

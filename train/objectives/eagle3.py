@@ -12,8 +12,9 @@ over the *full* vocabulary, the token a greedy verifier emits: a position whose 
 outside the draft vocabulary can never be accepted and counts as wrong; ``oov_rate`` logs how
 often that happens (the ceiling the draft vocabulary sets).
 
-Settings: ``drafter.aux_layer_ids`` (None: ``default_aux_layer_ids(n)``), ``intermediate_size``,
-``norm_before_residual``, ``norm_output``, ``fc_norm``, ``norm_before_fc``,
+Settings: ``drafter.aux_layer_ids`` (None: ``default_aux_layer_ids(n)``), ``num_layers`` (the
+EAGLE-3 layer + ``num_layers - 1`` plain Llama layers; vLLM >= 0.11.1 serves more than one),
+``intermediate_size``, ``norm_before_residual``, ``norm_output``, ``fc_norm``, ``norm_before_fc``,
 ``embed_requires_grad`` (own embedding, initialised as a copy of the target's and shipped;
 otherwise the target's is shared, frozen and not saved), ``lm_head_init`` (``target_rows``: the
 LM head starts as the target's rows of the draft vocabulary, as speculators does, which reads
@@ -87,7 +88,7 @@ class Eagle3Objective(TTTObjective):
             init.config.eagle_aux_hidden_state_layer_ids if init is not None else None)
         config = Eagle3Config.for_target(
             heads.config, draft_vocab_size=vocab.draft_vocab_size, aux_layer_ids=ids,
-            intermediate_size=d.intermediate_size,
+            intermediate_size=d.intermediate_size, num_layers=d.num_layers,
             verifier_name_or_path=cfg.target.path or self.target_dir,  # hub id when given
             norm_before_residual=bool(d.norm_before_residual), norm_output=bool(d.norm_output),
             fc_norm=bool(d.fc_norm), norm_before_fc=bool(d.norm_before_fc),
@@ -187,6 +188,10 @@ def load_init(drafter: Eagle3Drafter, init: Eagle3Drafter, path: str) -> None:
     (rows of tokens new to the vocabulary keep their fresh init). An embedding is taken only
     when both have one (otherwise the copy of the target's stays).
     """
+    if init.config.num_layers != drafter.config.num_layers:  # else: a name-by-name mismatch
+        raise config_error("drafter.num_layers", drafter.config.num_layers,
+                           f"{init.config.num_layers}, the decoder layers of the drafter.init_from "
+                           f"checkpoint {path}", _WHERE)
     for flag in ("norm_before_residual", "norm_output"):  # behaviour flags without weights
         if getattr(init.config, flag) != getattr(drafter.config, flag):
             raise config_error(f"drafter.{flag}", getattr(drafter.config, flag),

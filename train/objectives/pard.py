@@ -66,17 +66,50 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # ---- the repeated sequence ---------------------------------------------------------------------
 
 def cod_selection(t: int, k: int, ratio: float = 1.0, minimum: float = 1.0,
-                  generator: torch.Generator | None = None) -> list[Tensor]:
+                  generator: torch.Generator | None = None, *, eligible: Tensor | None = None,
+                  max_keep: int | None = None) -> list[Tensor]:
     """Kept indices per copy (sorted int64 ``[n_i]``; see the module doc). ``ratio = minimum = 1``
-    keeps every position that has a kept predecessor (copy i: indices ``i .. T-1``)."""
+    keeps every position that has a kept predecessor (copy i: indices ``i .. T-1``).
+
+    P-EAGLE's variant (speculators' rule): ``eligible`` (bool ``[T]``, CPU) restricts copies
+    ``>= 1`` to those positions (the ones with a loss target) and counts relative to them,
+    ``int((n_eligible - i) * fraction)``; ``max_keep`` caps every copy ``>= 1`` (max anchors).
+    """
     kept = [torch.arange(t)]
+    n_eligible = int(eligible.sum()) if eligible is not None else None
     for i in range(1, k):
         cand = kept[-1] + 1  # successors on the diagonal of the previous copy's kept positions
         cand = cand[cand < t]
-        n = min(int(t * max(ratio ** i, minimum)), cand.numel())
+        base = t
+        if eligible is not None:
+            cand, base = cand[eligible[cand]], max(n_eligible - i, 0)
+        n = min(int(base * max(ratio ** i, minimum)), cand.numel())
+        if max_keep is not None:
+            n = min(n, max_keep)
         pick = cand[torch.randperm(cand.numel(), generator=generator)[:n]]
         kept.append(pick.sort().values)
     return kept
+
+
+def copy_layout(keep: list[Tensor], doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The k-copy layout shared by PARD and P-EAGLE: kept indices per copy (``keep[j]``,
+    sorted ``[n_j]``) and ``doc [B, T]`` -> ``copy [N]``, ``index [N]`` (on ``doc``'s device)
+    and the attention mask bool ``[B, 1, N, N]`` (True = may attend).
+
+    Query ``(copy j, index t)`` (anchor ``t - j``) sees copy 0 at indices ``<= t - j`` and
+    copies ``1 .. j`` on its own diagonal (copy ``j'`` at ``t - j + j'``), within its document:
+    PARD's masks after the real context, P-EAGLE's depth-``j`` chain after anchor ``t - j``.
+    """
+    device = doc.device
+    copy = torch.cat([torch.full((len(x),), c, dtype=torch.long) for c, x in enumerate(keep)])
+    index = torch.cat(list(keep)).long()
+    copy, index = copy.to(device), index.to(device)  # [N], [N]
+    qc, qt, kc, ks = copy[:, None], index[:, None], copy[None, :], index[None, :]
+    visible = (((kc == 0) & (ks <= qt - qc))  # real tokens up to t - j
+               | ((kc >= 1) & (kc <= qc) & (ks == qt - qc + kc)))  # masks on the diagonal
+    d = doc[:, index]  # [B, N]
+    mask = visible & (d[:, :, None] == d[:, None, :])  # [B, N, N]
+    return copy, index, mask[:, None]
 
 
 @dataclass
@@ -97,24 +130,18 @@ def pard_batch(batch: dict[str, Tensor], k: int, mask_id: int,
     """The k-copy sequence of ``batch`` (``input_ids``, ``position_ids``, ``doc_ids``,
     ``loss_mask`` ``[B, T]``) restricted to ``keep`` (indices per copy; None = all)."""
     ids, doc = batch["input_ids"], batch["doc_ids"]  # [B, T]
-    t, device = ids.shape[1], ids.device
+    t = ids.shape[1]
     keep = keep if keep is not None else [torch.arange(t)] * k
     if len(keep) != k:
         raise ValueError(f"pard_batch: keep has {len(keep)} copies, expected k={k}")
-    copy = torch.cat([torch.full((len(x),), c, dtype=torch.long) for c, x in enumerate(keep)])
-    index = torch.cat(list(keep)).long()
-    copy, index = copy.to(device), index.to(device)  # [N], [N]
-    qc, qt, kc, ks = copy[:, None], index[:, None], copy[None, :], index[None, :]
-    visible = (((kc == 0) & (ks <= qt - qc))  # real tokens up to t - j
-               | ((kc >= 1) & (kc <= qc) & (ks == qt - qc + kc)))  # masks on the diagonal
+    copy, index, mask = copy_layout(keep, doc)  # [N], [N], [B, 1, N, N]
     d = doc[:, index]  # [B, N]
-    mask = visible & (d[:, :, None] == d[:, None, :])  # [B, N, N]
     nxt = (index + 1).clamp(max=t - 1)  # [N]
     anchor = index - copy  # [N]: the last real token the query sees
     valid = ((index + 1 < t) & (anchor >= 0) & batch["loss_mask"].bool()[:, nxt]
              & (doc[:, nxt] == d) & (doc[:, anchor.clamp(min=0)] == d))  # [B, N]
     inputs = torch.where(copy == 0, ids[:, index], torch.full_like(ids[:, index], mask_id))
-    return PardBatch(inputs, batch["position_ids"][:, index], mask[:, None],
+    return PardBatch(inputs, batch["position_ids"][:, index], mask,
                      torch.where(index + 1 < t, ids[:, nxt], 0), valid, copy, index)
 
 
@@ -196,26 +223,8 @@ class PardObjective(Objective):
         return forward_kl(logits, target_logp)
 
     def _accuracy(self, pb: PardBatch, right: Tensor, ce: Tensor, t: int) -> dict[str, Tensor]:
-        """``acc_j`` / ``loss/copy_j`` per copy, ``full_acc_j`` (drafts 1..j+1 all right, from
-        the same context: copy j' at ``t - j + j'``) and ``acceptance_length_est``. Dense index
-        arithmetic only (no boolean indexing): no host sync."""
-        b = right.shape[0]
-        dense = right.new_zeros(self.k, b, t)  # [k, B, T]; dropped positions count as wrong
-        dense[pb.copy, :, pb.index] = right.T
-        for j in range(1, self.k):  # chain: copy j at t needs copy j-1 at t - 1 right
-            dense[j] &= F.pad(dense[j - 1], (1, 0))[:, :t]
-        full = dense[pb.copy, :, pb.index].T  # [B, N]
-        per_copy = pb.valid[:, :, None] & F.one_hot(pb.copy, self.k).bool()  # [B, N, k]
-        count = per_copy.sum((0, 1)).clamp(min=1)  # [k]
-        loss = (ce[:, :, None] * per_copy).sum((0, 1)) / count  # [k]
-        acc = (right[:, :, None] & per_copy).sum((0, 1)) / count
-        full_acc = (full[:, :, None] & per_copy).sum((0, 1)) / count
-        out = {}
-        for j in range(self.k):
-            out[f"loss/copy_{j}"], out[f"acc_{j}"] = loss[j], acc[j]
-            out[f"full_acc_{j}"] = full_acc[j]
-        out["acceptance_length_est"] = 1 + full_acc.sum()
-        return out
+        """Per-copy and chained accuracies (:func:`chain_accuracy`)."""
+        return chain_accuracy(pb.copy, pb.index, pb.valid, right, ce, self.k, t)
 
     def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """A Hugging Face causal-LM directory: the draft's config.json with ``pard_token``,
@@ -243,6 +252,30 @@ def hf_name(native: str) -> str:
     return native if native.startswith("lm_head.") else f"model.{native}"
 
 
+def chain_accuracy(copy: Tensor, index: Tensor, valid: Tensor, right: Tensor, loss: Tensor,
+                   k: int, t: int, label: str = "copy") -> dict[str, Tensor]:
+    """Metrics of a k-copy layout (:func:`copy_layout`): ``loss/{label}_j`` and ``acc_j`` per
+    copy, ``full_acc_j`` (drafts 1..j+1 all right from the same anchor: copy j' at
+    ``t - j + j'``) and ``acceptance_length_est = 1 + sum_j full_acc_j``. ``copy``/``index``
+    ``[N]``; ``valid``/``right`` bool and ``loss`` ``[B, N]``. Dense index arithmetic only (no
+    boolean indexing): no host sync. Shared by PARD and P-EAGLE."""
+    b = right.shape[0]
+    dense = right.new_zeros(k, b, t)  # [k, B, T]; dropped positions count as wrong
+    dense[copy, :, index] = right.T
+    for j in range(1, k):  # chain: copy j at t needs copy j-1 at t - 1 right
+        dense[j] &= F.pad(dense[j - 1], (1, 0))[:, :t]
+    full = dense[copy, :, index].T  # [B, N]
+    per_copy = valid[:, :, None] & F.one_hot(copy, k).bool()  # [B, N, k]
+    count = per_copy.sum((0, 1)).clamp(min=1)  # [k]
+    mean_loss = (loss[:, :, None] * per_copy).sum((0, 1)) / count  # [k]
+    acc = (right[:, :, None] & per_copy).sum((0, 1)) / count
+    full_acc = (full[:, :, None] & per_copy).sum((0, 1)) / count
+    out = {}
+    for j in range(k):
+        out[f"loss/{label}_{j}"], out[f"acc_{j}"] = mean_loss[j], acc[j]
+        out[f"full_acc_{j}"] = full_acc[j]
+    out["acceptance_length_est"] = 1 + full_acc.sum()
+    return out
 
 
 def resolve_draft_dir(model: str | None, key: str, target_dir: str | Path) -> Path:

@@ -91,7 +91,7 @@ def test_config_round_trip_and_vllm_defaults():
     ({"speculators_model_type": "eagle"}, "speculators_model_type"),
     ({"draft_vocab_size": 65}, "draft_vocab_size"),
     ({"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}, "eagle_aux_hidden_state_layer_ids"),
-    ({"transformer_layer_config": {"num_hidden_layers": 2, "vocab_size": 64}},
+    ({"transformer_layer_config": {"num_hidden_layers": 0, "vocab_size": 64}},
      "num_hidden_layers"),
 ])
 def test_config_errors_name_the_key(change, key):
@@ -303,3 +303,71 @@ def test_save_over_an_existing_checkpoint_is_clean(tmp_path):
                                                                     "model.safetensors"]
     loaded = Eagle3Drafter.from_pretrained(tmp_path / "head")
     assert torch.equal(loaded.fc.weight, second.fc.weight)
+
+
+# ---- more than one decoder layer (vLLM's Eagle3LlamaForCausalLM with num_hidden_layers = N) ----
+
+PLAIN_KEYS = LAYER_KEYS - {"hidden_norm.weight"}
+
+
+def test_two_layer_head_names_shapes_and_round_trip(tmp_path):
+    """Layer 0 is the EAGLE-3 layer (2H q/k/v, hidden_norm), layer 1 a plain Llama layer (H
+    q/k/v, no hidden_norm: vLLM builds one but never reads it); save -> load is identical."""
+    d = make_drafter(num_layers=2)
+    assert d.config.num_layers == 2 and d.layer_config.num_layers == 2
+    assert d.layers[0].self_attn.q_proj.in_features == 64
+    assert d.layers[1].self_attn.q_proj.in_features == 32
+    d.save_pretrained(tmp_path / "head")
+    names = set(load_file(tmp_path / "head" / "model.safetensors"))
+    assert names == BASE_NAMES | {"embed_tokens.weight"} | {f"layers.1.{k}" for k in PLAIN_KEYS}
+    raw = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert raw["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert Eagle3Config.from_dict(raw).to_dict() == {**d.config.to_dict(),
+                                                     "torch_dtype": "float32"}
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "head")
+    ids, aux = inputs()
+    with torch.no_grad():
+        want = d.forward_train(ids, d.prepare(aux))
+        got = loaded.forward_train(ids, loaded.prepare(aux))
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_unused_hidden_norm_of_later_layers_is_dropped_on_load(tmp_path):
+    """An exporter that ships vLLM's unused ``layers.1.hidden_norm.weight`` still loads."""
+    d = make_drafter(num_layers=2)
+    d.save_pretrained(tmp_path / "head")
+    weights = tmp_path / "head" / "model.safetensors"
+    state = load_file(weights)
+    state["layers.1.hidden_norm.weight"] = torch.ones(32)
+    save_file(state, str(weights))
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "head")
+    assert torch.equal(loaded.layers[1].mlp.down_proj.weight, d.layers[1].mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": False, "norm_output": True}])
+def test_two_layer_cached_and_step_kv_forwards_equal_full(flags):
+    """Per-layer KV: the cache holds both layers, TTT's StepKV keys them by layer index."""
+    d = make_drafter(num_layers=2, **flags)
+    ids, aux = inputs(b=2, t=7)
+    with torch.no_grad():
+        g = d.prepare(aux)
+        full_logits, full_hidden = d.forward_train(ids, g)
+        cache = KVCache.for_model(d.layer_config, 3, 16)
+        assert cache.k.shape[0] == 2
+        steps = [d(ids[:, t:t + 1], g[:, t:t + 1], cache, torch.tensor([2, 0]))
+                 for t in range(7)]
+        kv = StepKV()
+        first = d.forward_train(ids[:, :4], g[:, :4], attention_mask=torch.ones(
+            2, 4, 4, dtype=torch.bool).tril(), kv=kv)[0]
+        mask = torch.ones(7, 7, dtype=torch.bool).tril()[4:].expand(2, 3, 7)
+        second = d.forward_train(ids[:, 4:], g[:, 4:], torch.arange(4, 7).expand(2, 3), mask,
+                                 kv=kv)[0]
+        assert sorted(kv.k) == [0, 1]
+        inference_layout(d)
+        cache = KVCache.for_model(d.layer_config, 1, 16)
+        fused = [d(ids[:1, t:t + 1], g[:1, t:t + 1], cache, torch.tensor([0])) for t in range(7)]
+    close = dict(atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.cat([s[0] for s in steps], 1), full_logits, **close)
+    assert torch.allclose(torch.cat([s[1] for s in steps], 1), full_hidden, **close)
+    assert torch.allclose(torch.cat([first, second], 1), full_logits, **close)
+    assert torch.allclose(torch.cat([s[0] for s in fused], 1), full_logits[:1], **close)

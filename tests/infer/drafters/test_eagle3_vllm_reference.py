@@ -5,17 +5,24 @@ computes what vLLM 0.32's ``Eagle3LlamaForCausalLM`` computes with it, in plain 
 
 - ``combine_hidden_states``: ``input_norm`` over the concatenated aux states when
   ``norm_before_fc``, then one ``fc_norm.i`` per aux chunk when ``fc_norm``, then ``fc``;
-- the one decoder layer: ``embeds = input_layernorm(embed(ids))``; with ``norm_before_residual``
-  ``h = hidden_norm(g)`` is also the residual, else the residual is ``g`` itself; attention
-  (Llama RoPE, neox halves, GQA, causal) over ``cat(embeds, h)``; then vLLM's fused
-  add-and-norm: ``residual = attn + residual``, ``x = post_attention_layernorm(residual)``,
-  ``out = mlp(x)``;
-- the final fused ``norm(out, residual)``: ``pre = out + residual``, ``hidden = norm(pre)``;
+- decoder layer 0 (``LlamaDecoderLayer.forward``, ``layer_idx == 0``): ``embeds =
+  input_layernorm(embed(ids))``; with ``norm_before_residual`` ``h = hidden_norm(g)`` is also the
+  residual, else the residual is ``g`` itself; attention (Llama RoPE, neox halves, GQA, causal)
+  over ``cat(embeds, h)``; then vLLM's fused add-and-norm: ``residual = attn + residual``,
+  ``x = post_attention_layernorm(residual)``, ``out = mlp(x)``; the layer returns
+  ``(out, residual)``;
+- layers ``1 .. N - 1`` (``num_hidden_layers = N``; ``layer_idx > 0``, q/k/v over ``H``): the
+  fused ``input_layernorm(out, residual)``: ``residual = out + residual``, ``x =
+  input_layernorm(residual)``; attention over ``x`` (each layer its own KV), the same fused
+  post-attention norm and MLP; ``hidden_norm`` is never used;
+- the final fused ``norm(out, residual)`` (``LlamaModel.forward``): ``pre = out + residual``,
+  ``hidden = norm(pre)``;
   logits ``lm_head(hidden)`` over the draft vocabulary, token ``i + d2t[i]``; the state fed to the
   next draft step is ``hidden`` when ``norm_output`` else ``pre``.
 
-Every flag combination vLLM reads is compared: the catch-up pass over a prefix, then one chained
-draft step that feeds the fed-back state and the drafted token at the next position.
+Every flag combination vLLM reads is compared, with one and with two decoder layers: the catch-up
+pass over a prefix, then one chained draft step that feeds the fed-back state and the drafted
+token at the next position.
 """
 
 import itertools
@@ -59,7 +66,9 @@ class VllmEagle3:
         self.eps, self.theta = layer["rms_norm_eps"], layer.get("rope_theta", 10000.0)
         self.heads, self.kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
         self.head_dim = layer.get("head_dim") or layer["hidden_size"] // self.heads
-        self.keys, self.values = [], []
+        self.layers = layer.get("num_hidden_layers", 1)
+        self.keys = {i: [] for i in range(self.layers)}  # layer -> [T, kv, d] per call
+        self.values = {i: [] for i in range(self.layers)}
 
     def combine(self, aux):
         """``[T, n_aux * H_t]`` target aux states -> ``[T, H]``."""
@@ -72,16 +81,16 @@ class VllmEagle3:
                              for i, c in enumerate(chunks)], -1)
         return aux @ w["fc.weight"].T
 
-    def attention(self, x, pos):
-        p = "layers.0.self_attn."
+    def attention(self, x, pos, layer):
+        p = f"layers.{layer}.self_attn."
         t = x.shape[0]
         q = (x @ self.w[p + "q_proj.weight"].T).view(t, self.heads, self.head_dim)
         k = (x @ self.w[p + "k_proj.weight"].T).view(t, self.kv_heads, self.head_dim)
         v = (x @ self.w[p + "v_proj.weight"].T).view(t, self.kv_heads, self.head_dim)
         q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
-        self.keys.append(k)
-        self.values.append(v)
-        keys, values = torch.cat(self.keys), torch.cat(self.values)  # [S, kv, d]
+        self.keys[layer].append(k)
+        self.values[layer].append(v)
+        keys, values = torch.cat(self.keys[layer]), torch.cat(self.values[layer])  # [S, kv, d]
         rep = self.heads // self.kv_heads
         keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
         scores = torch.einsum("thd,shd->hts", q, keys) / math.sqrt(self.head_dim)
@@ -94,17 +103,25 @@ class VllmEagle3:
     def forward(self, ids, g, pos):
         """``ids [T]``, ``g [T, H]`` (combined or fed back), ``pos [T]`` -> (target token ids,
         draft logits, fed-back state)."""
-        w, p = self.w, "layers.0."
-        embeds = rms(w["embed_tokens.weight"][ids], w[p + "input_layernorm.weight"], self.eps)
-        if self.cfg.get("norm_before_residual", False):
-            h = rms(g, w[p + "hidden_norm.weight"], self.eps)
-            residual = h
-        else:
-            residual, h = g, rms(g, w[p + "hidden_norm.weight"], self.eps)
-        residual = self.attention(torch.cat([embeds, h], -1), pos) + residual
-        x = rms(residual, w[p + "post_attention_layernorm.weight"], self.eps)
-        out = (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)
-               ) @ w[p + "mlp.down_proj.weight"].T
+        w, out, residual = self.w, g, None
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            if i == 0:
+                embeds = rms(w["embed_tokens.weight"][ids], w[p + "input_layernorm.weight"],
+                             self.eps)
+                if self.cfg.get("norm_before_residual", False):
+                    h = rms(out, w[p + "hidden_norm.weight"], self.eps)
+                    residual = h
+                else:
+                    residual, h = out, rms(out, w[p + "hidden_norm.weight"], self.eps)
+                x = torch.cat([embeds, h], -1)  # [T, 2H]
+            else:  # the fused input_layernorm(hidden_states, residual)
+                residual = out + residual
+                x = rms(residual, w[p + "input_layernorm.weight"], self.eps)  # [T, H]
+            residual = self.attention(x, pos, i) + residual
+            x = rms(residual, w[p + "post_attention_layernorm.weight"], self.eps)
+            out = (F.silu(x @ w[p + "mlp.gate_proj.weight"].T)
+                   * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
         pre = out + residual
         hidden = rms(pre, w["norm.weight"], self.eps)
         logits = hidden @ w["lm_head.weight"].T
@@ -112,12 +129,14 @@ class VllmEagle3:
         return draft + w["d2t"][draft], logits, (hidden if self.cfg.get("norm_output") else pre)
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("values", list(itertools.product([False, True], repeat=len(FLAGS))))
-def test_drafter_equals_vllm_semantics(tmp_path, values):
+def test_drafter_equals_vllm_semantics(tmp_path, values, num_layers):
     flags = dict(zip(FLAGS, values))
-    d = make_drafter(seed=3, **flags)
+    d = make_drafter(seed=3, num_layers=num_layers, **flags)
     d.save_pretrained(tmp_path / "head")
     ref = VllmEagle3(tmp_path / "head")
+    assert ref.layers == num_layers
     assert {k: ref.cfg.get(k, False) for k in FLAGS} == flags  # what vLLM reads, as trained
     ids, aux = inputs(b=1, t=6, seed=4)
     with torch.no_grad():
