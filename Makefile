@@ -10,7 +10,7 @@ TORCH_DEVICE ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv torch install dev demo test bench clean
+.PHONY: venv torch install dev demo demo-parallel test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ dev: $(VENV)/.installed-dev
 
 demo: install
 	$(PY) train.py
+
+# the one-forward drafters on the embedded target (P-EAGLE, DFlash), a few minutes each
+demo-parallel: install
+	$(PY) train.py recipe=tiny_peagle
+	$(PY) train.py recipe=tiny_dflash
 
 test: dev
 	$(PY) -m pytest $(PYTEST_ARGS)

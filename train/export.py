@@ -38,6 +38,8 @@ from pathlib import Path
 
 from infer.drafters.common import read_checkpoint, write_checkpoint
 from infer.drafters.eagle3 import SGLANG_ARCHITECTURE, Eagle3Config, default_aux_layer_ids
+from infer.drafters.peagle import PEagleConfig
+from infer.spec_config import checkpoint_type
 from infer.validation import config_error
 
 _SGLANG_WEIGHTS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}  # + midlayer.*
@@ -65,6 +67,10 @@ def vllm_requirements(config: Eagle3Config, num_target_layers: int | None = None
     """What serving ``config`` asks of vLLM, beyond its oldest EAGLE-3 support (0.10.1:
     speculators configs with ``norm_before_residual``)."""
     out = [VllmRequirement("norm_before_residual", (0, 10, 1), "has no speculators EAGLE-3")]
+    if getattr(config, "mask_token_id", None) is not None:  # a P-EAGLE head (PEagleConfig)
+        out.append(VllmRequirement("P-EAGLE (speculators_model_type peagle, served as eagle3 + "
+                                   "parallel_drafting)", (0, 16, 0),
+                                   "has no parallel drafting for EAGLE heads"))
     if config.num_layers > 1:  # vllm#26164, opened after 0.11.0 was cut; the release is
         # inferred from its date, not read from release source like the others
         out.append(VllmRequirement(f"num_hidden_layers={config.num_layers}", (0, 11, 1),
@@ -158,7 +164,7 @@ def export_sglang(speculators_dir: str | Path, out_dir: str | Path) -> Path:
 def vllm_report(config: Eagle3Config, num_target_layers: int | None = None) -> str:
     """The lines printed for a head: the minimum vLLM version and each feature that sets it."""
     reqs = vllm_requirements(config, num_target_layers)
-    lines = [f"vLLM: this EAGLE-3 head needs vLLM >= {min_vllm_version(reqs)}"]
+    lines = [f"vLLM: this head needs vLLM >= {min_vllm_version(reqs)}"]
     lines += [f"  {r.line()}" for r in reqs if r.version > (0, 10, 1)]
     return "\n".join(lines)
 
@@ -176,8 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm", action="store_true", help="print the vLLM requirements only")
     args = ap.parse_args(argv)
     if args.vllm:
-        raw, _, _ = read_checkpoint(args.speculators_dir, "eagle3")
-        print(vllm_report(Eagle3Config.from_dict(raw)))
+        raw, _, _ = read_checkpoint(args.speculators_dir, "eagle3")  # eagle3 or peagle
+        parse = PEagleConfig.from_dict if checkpoint_type(raw) == "peagle" \
+            else Eagle3Config.from_dict
+        print(vllm_report(parse(raw)))
         return
     if args.out_dir is None:
         ap.error("OUT_DIR is required (or pass --vllm)")

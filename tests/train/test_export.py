@@ -121,7 +121,7 @@ def test_vllm_requirements_name_the_feature_and_version(env, train_data, overrid
     report = obj.serving_notes()
     assert report == vllm_report(obj.drafter.config, 4)
     head, *lines = report.splitlines()
-    assert head == f"vLLM: this EAGLE-3 head needs vLLM >= {version}"
+    assert head == f"vLLM: this head needs vLLM >= {version}"
     assert any(line.strip().startswith(f"{feature}: needs vLLM >= {version}; older vLLM ")
                for line in lines), report
 
@@ -130,10 +130,10 @@ def test_default_head_needs_only_speculators_support(env, train_data, tmp_path, 
     from train.export import main
 
     obj = build("eagle3", env, train_data)  # the 4-layer target's default ids [1, 2, 3]
-    assert obj.serving_notes() == "vLLM: this EAGLE-3 head needs vLLM >= 0.10.1"
+    assert obj.serving_notes() == "vLLM: this head needs vLLM >= 0.10.1"
     main(["--vllm", str(obj.export(tmp_path / "head"))])  # no target layer count: ids explicit
     assert capsys.readouterr().out.splitlines() == [
-        "vLLM: this EAGLE-3 head needs vLLM >= 0.11.1",
+        "vLLM: this head needs vLLM >= 0.11.1",
         "  eagle_aux_hidden_state_layer_ids=[1, 2, 3]: needs vLLM >= 0.11.1; older vLLM "
         "captures its default layers [2, n // 2, n - 3]"]
 
@@ -148,3 +148,16 @@ def test_two_aux_states_tell_vllm_their_count(env, train_data, tmp_path):
     assert "num_aux_hidden_states" not in three["transformer_layer_config"]
     loaded = Eagle3Drafter.from_pretrained(tmp_path / "two")
     assert loaded.fc.in_features == 2 * loaded.config.target_hidden
+
+
+def test_peagle_head_needs_parallel_drafting_support(env, train_data, tmp_path, capsys):
+    """A P-EAGLE head's minimum is vLLM's parallel drafting for EAGLE heads, said once, both
+    before training and by ``--vllm`` on its export."""
+    from train.export import main
+
+    obj = build("peagle", env, train_data, parallel_depths=2)
+    head, *lines = obj.serving_notes().splitlines()
+    assert head == "vLLM: this head needs vLLM >= 0.16.0"
+    assert sum("0.16.0" in line for line in lines) == 1
+    main(["--vllm", str(obj.export(tmp_path / "head"))])
+    assert capsys.readouterr().out.splitlines()[0] == head

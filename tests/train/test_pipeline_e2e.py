@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from infer import LLM, SamplingParams
+from infer.spec_config import SpeculativeConfig
 from train.config import TrainConfig
 from train.pipeline import run
 
@@ -70,9 +71,32 @@ def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, ext
     method = "eagle3" if recipe == "tiny_eagle3" else "eagle"
     if method == "eagle3":
         assert config["speculators_model_type"] == "eagle3"
-        assert "vLLM: this EAGLE-3 head needs vLLM >= 0.10.1" in out  # said before training
+        assert "vLLM: this head needs vLLM >= 0.10.1" in out  # said before training
     assert greedy_lossless(train_target, {"method": method, "model": str(final),
                                           "num_speculative_tokens": 3}, [[5, 6, 7, 8]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, extra, kind", [
+    ("tiny_peagle", ["objective.parallel_depths=3"], "peagle"),
+    ("tiny_dflash", ["objective.block_size=4", "objective.max_anchors=8"], "dflash"),
+])
+def test_one_forward_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, extra, kind):
+    """P-EAGLE and DFlash through the whole pipeline: trained, exported as their speculators
+    type, evaluated losslessly, and served from the checkpoint alone (the schema infers
+    eagle3 + parallel_drafting / dflash and k from it)."""
+    cfg = make_cfg(tmp_path, train_target, chat_file, f"recipe={recipe}", *extra)
+    final = run(cfg).final_dir
+    config = json.loads((final / "config.json").read_text())
+    assert config["speculators_model_type"] == kind
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    report = json.loads((tmp_path / recipe / "eval" / "results.json").read_text())
+    assert recipe in {r["method"] for r in report["results"]} and report["lossless"] is True
+    spec = SpeculativeConfig.parse({"model": str(final)})
+    assert (spec.method, spec.num_speculative_tokens) == (
+        "eagle3" if kind == "peagle" else "dflash", 3)
+    assert spec.parallel_drafting == (kind == "peagle")
+    assert greedy_lossless(train_target, {"model": str(final)}, [[5, 6, 7, 8]])
 
 
 @pytest.fixture(scope="module")

@@ -126,10 +126,13 @@ def test_step_stats_by_hand():
 
 # ---- the unroll is the inference chain ----------------------------------------------------------
 
-def test_unroll_equals_cached_inference_chain(env, train_data):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_unroll_equals_cached_inference_chain(env, train_data, num_layers):
     """Step s at anchor t == the engine's chain: catch up on the document's pairs up to t, then
-    feed the head's own state with the true next tokens, one cached forward per draft."""
-    obj = build("eagle3", env, train_data, seed=3).eval()
+    feed the head's own state with the true next tokens, one cached forward per draft (one
+    decoder layer, and two: the TTT keys of every layer)."""
+    obj = build("eagle3", env, train_data, seed=3, num_layers=num_layers).eval()
+    assert len(obj.drafter.layers) == num_layers
     batch = next(b for b in env[2] if int(b["doc_ids"][0].max()) >= 1)
     batch = {k: v[:1] for k, v in batch.items()}  # [1, T]
     docs, ids, aux = batch["doc_ids"][0], batch["input_ids"][0], batch["aux"]

@@ -76,10 +76,14 @@ def test_cod_chains_are_contiguous_and_capped():
     assert len(keep[1]) == 20  # the cap binds at depth 1
 
 
-def test_training_forward_equals_inference_layout(env, train_data):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_training_forward_equals_inference_layout(env, train_data, num_layers):
     """Depth d of anchor a == the engine's one forward: the document's pairs up to a (cached),
-    then K - 1 mask rows with prepare(mask_hidden), causal, logits at the last K rows."""
-    obj = build("peagle", env, train_data, seed=3, parallel_depths=4).eval()
+    then K - 1 mask rows with prepare(mask_hidden), causal, logits at the last K rows; with the
+    one EAGLE-3 layer and with a plain layer stacked on it (tiny_peagle's two)."""
+    obj = build("peagle", env, train_data, seed=3, parallel_depths=4,
+                num_layers=num_layers).eval()
+    assert len(obj.drafter.layers) == num_layers
     batch = next(b for b in env[2] if int(b["doc_ids"][0].max()) >= 1)
     batch = {k: v[:1] for k, v in batch.items()}  # [1, T]
     docs, ids, aux = batch["doc_ids"][0], batch["input_ids"][0], batch["aux"]
