@@ -164,6 +164,35 @@ def proposer_class(spec: SpeculativeConfig) -> type[Proposer]:
     return cls
 
 
+def check_head_fits(where: str, ids_key: str, aux_ids, vocab_size: int, target_hidden: int,
+                    ctx: ProposerContext) -> None:
+    """A feature-fed head (EAGLE-3, P-EAGLE, DFlash) against the target it is served with:
+    aux layer ids inside ``[0, num_layers]``, the target's vocabulary and hidden size; each
+    mismatch is one error naming the checkpoint key (``where``: the drafter and its path)."""
+    n, target = ctx.target_config.num_layers, ctx.target_config
+    if any(not 0 <= k <= n for k in aux_ids):
+        raise config_error(ids_key, list(aux_ids), f"ids in [0, {n}] for this {n}-layer target",
+                           where)
+    if vocab_size != ctx.vocab_size:
+        raise config_error("transformer_layer_config.vocab_size", vocab_size,
+                           f"the target's vocab_size ({ctx.vocab_size})", where)
+    if target_hidden != target.hidden_size:
+        raise config_error("target_hidden_size", target_hidden,
+                           f"the target's hidden_size ({target.hidden_size})", where)
+
+
+def aux_features(target_output: ModelOutput, want: tuple[int, ...], method: str) -> torch.Tensor:
+    """The aux residual streams a feature-fed head asked for, concatenated in sorted id order:
+    ``[B, T, n_aux * H_t]``; a clear error when the engine did not capture them."""
+    aux = tuple(target_output.aux)
+    if len(aux) != len(want):
+        raise RuntimeError(f"{method} needs the target's aux hidden states {list(want)} but the "
+                           f"target output carries {len(aux)}; the engine must request "
+                           "proposer.feature_spec().aux_layer_ids in the prefill and verify "
+                           "forwards")
+    return torch.cat(aux, dim=-1)
+
+
 def pad_drafts(drafts: list[list[int]], k: int, device: torch.device) -> torch.Tensor:
     """Lists of up to k token ids -> ``[batch, k]`` long with -1 padding."""
     out = torch.full((len(drafts), k), -1, dtype=torch.long)

@@ -28,7 +28,7 @@ from infer.kv_cache import KVCache, cache_rows
 from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
-                                  VerifiedStep)
+                                  VerifiedStep, aux_features, check_head_fits)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
 from infer.validation import config_error
@@ -66,18 +66,10 @@ class DFlashProposer(Proposer):
 
     # ---- context -----------------------------------------------------------------------------
 
-    def _features(self, out: ModelOutput) -> Tensor:
-        aux, want = tuple(out.aux), self.drafter.aux_layer_ids
-        if len(aux) != len(want):
-            raise RuntimeError(f"dflash needs the target's aux hidden states {want} but the "
-                               f"target output carries {len(aux)}; the engine must request "
-                               "proposer.feature_spec().aux_layer_ids in prefill and verify")
-        return torch.cat(aux, dim=-1)  # [B, T, n_t * H_t]
-
     @torch.no_grad()
     def _append_context(self, slots: list[int], counts: list[int], out: ModelOutput) -> None:
         """Rows ``0 .. counts[i] - 1`` of ``out`` become context k/v of ``slots[i]``."""
-        feats = self._features(out)  # [B, T, n_t * H_t]
+        feats = aux_features(out, self.drafter.aux_layer_ids, "dflash")  # [B, T, n_t * H_t]
         ctx = self.drafter.context(feats)  # [B, T, H]
         index = torch.tensor(slots, device=self.ctx.device)
         num = torch.tensor(counts, device=self.ctx.device)  # [B]
@@ -142,16 +134,8 @@ def load_drafter(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashDrafter
     LM head where the checkpoint has none."""
     drafter = DFlashDrafter.from_pretrained(spec.model, dtype=ctx.dtype, device=ctx.device)
     cfg, target, where = drafter.config, ctx.target_config, f"dflash drafter {spec.model}"
-    n = target.num_layers
-    if any(not 0 <= k <= n for k in cfg.aux_layer_ids):
-        raise config_error("aux_hidden_state_layer_ids", cfg.aux_layer_ids,
-                           f"ids in [0, {n}] for this {n}-layer target", where)
-    if cfg.vocab_size != ctx.vocab_size:
-        raise config_error("transformer_layer_config.vocab_size", cfg.vocab_size,
-                           f"the target's vocab_size ({ctx.vocab_size})", where)
-    if cfg.target_hidden != target.hidden_size:
-        raise config_error("target_hidden_size", cfg.target_hidden,
-                           f"the target's hidden_size ({target.hidden_size})", where)
+    check_head_fits(where, "aux_hidden_state_layer_ids", cfg.aux_layer_ids, cfg.vocab_size,
+                    cfg.target_hidden, ctx)
     shared = drafter.embed_tokens is None or drafter.lm_head is None
     if shared and drafter.layer_config.hidden_size != target.hidden_size:
         raise FileFormatError(f"{where}: has no embed_tokens.weight / lm_head.weight of its own "

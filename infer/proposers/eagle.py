@@ -101,17 +101,25 @@ class EagleChainProposer(Proposer):
 
     # ---- drafting ----------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def propose(self, batch: DraftBatch) -> Proposal:
-        device = self.ctx.device
-        slots = torch.tensor(batch.slots, device=device)  # [B]
+    def begin_step(self, batch: DraftBatch
+                   ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, list[int]]:
+        """Roll each row's draft cache back to its verified pairs and take the pending ones:
+        ``(slots [B], cache rows or None, ids [B, T], feats [B, T, H], counts)``; ``self.fed``
+        then counts the pairs this step's catch-up writes (drafted entries are rolled back at
+        the next step)."""
+        slots = torch.tensor(batch.slots, device=self.ctx.device)  # [B]
         rows = cache_rows(batch.slots, slots)  # None when in order: cache views, no gathers
         ids, feats, counts = self._catch_up_inputs(batch)  # [B, T], [B, T, H], B counts
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
-                                                device=device))
+                                                device=self.ctx.device))
         for slot, n in zip(batch.slots, counts):
             self.fed[slot] += n
-        counts = torch.tensor(counts, device=device)  # [B]
+        return slots, rows, ids, feats, counts
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        slots, rows, ids, feats, counts = self.begin_step(batch)
+        counts = torch.tensor(counts, device=self.ctx.device)  # [B]
         logits, hidden = self.drafter(ids, feats, self.cache, rows, num_tokens=counts,
                                       logits_at=(counts - 1)[:, None])  # [B, 1, V'], [B, 1, H]
         tokens, probs = [], []

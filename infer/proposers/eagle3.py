@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
 from infer.errors import FileFormatError
 from infer.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
 from infer.models.output import FeatureSpec, ModelOutput
-from infer.proposers.base import PROPOSERS, ProposerContext
+from infer.proposers.base import PROPOSERS, ProposerContext, aux_features, check_head_fits
 from infer.proposers.eagle import EagleChainProposer
 from infer.spec_config import SpeculativeConfig
-from infer.validation import config_error
 
 
 @PROPOSERS.register("eagle3")
@@ -34,20 +32,11 @@ class Eagle3Proposer(EagleChainProposer):
                                                      device=ctx.device)
         cfg, target = drafter.config, ctx.target_config
         where = f"eagle3 drafter {spec.model}"
-        n = target.num_layers
         if cfg.eagle_aux_hidden_state_layer_ids is None:
-            cfg.eagle_aux_hidden_state_layer_ids = default_aux_layer_ids(n)
-        bad = [k for k in cfg.eagle_aux_hidden_state_layer_ids if not 0 <= k <= n]
-        if bad:
-            raise config_error("eagle_aux_hidden_state_layer_ids",
-                               cfg.eagle_aux_hidden_state_layer_ids,
-                               f"ids in [0, {n}] for this {n}-layer target", where)
-        if cfg.vocab_size != ctx.vocab_size:
-            raise config_error("transformer_layer_config.vocab_size", cfg.vocab_size,
-                               f"the target's vocab_size ({ctx.vocab_size})", where)
-        if cfg.target_hidden != target.hidden_size:
-            raise config_error("target_hidden_size", cfg.target_hidden,
-                               f"the target's hidden_size ({target.hidden_size})", where)
+            cfg.eagle_aux_hidden_state_layer_ids = default_aux_layer_ids(target.num_layers)
+        check_head_fits(where, "eagle_aux_hidden_state_layer_ids",
+                        cfg.eagle_aux_hidden_state_layer_ids, cfg.vocab_size, cfg.target_hidden,
+                        ctx)
         if drafter.embed_tokens is None:  # no embed_tokens.weight: share the target's
             if drafter.layer_config.hidden_size != target.hidden_size:
                 raise FileFormatError(f"{where}: has no embed_tokens.weight and its hidden_size "
@@ -61,10 +50,4 @@ class Eagle3Proposer(EagleChainProposer):
         return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids)  # sorted
 
     def target_features(self, target_output: ModelOutput) -> Tensor:
-        aux, want = tuple(target_output.aux), self.drafter.aux_layer_ids
-        if len(aux) != len(want):
-            raise RuntimeError(f"eagle3 needs the target's aux hidden states {want} but the "
-                               f"target output carries {len(aux)}; the engine must request "
-                               "proposer.feature_spec().aux_layer_ids in the prefill and verify "
-                               "forwards")
-        return torch.cat(aux, dim=-1)  # [B, T, n_aux * H_t], sorted id order
+        return aux_features(target_output, self.drafter.aux_layer_ids, "eagle3")

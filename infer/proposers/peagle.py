@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.peagle import PEagleDrafter
-from infer.kv_cache import cache_rows
 from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, ProposerContext
 from infer.proposers.eagle3 import Eagle3Proposer
 from infer.spec_config import SpeculativeConfig
@@ -57,14 +56,7 @@ class PEagleProposer(Eagle3Proposer):
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
-        device = self.ctx.device
-        slots = torch.tensor(batch.slots, device=device)  # [B]
-        rows = cache_rows(batch.slots, slots)  # None when in order: cache views, no gathers
-        ids, feats, counts = self._catch_up_inputs(batch)  # [B, T], [B, T, H], B counts
-        self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
-                                                device=device))
-        for slot, n in zip(batch.slots, counts):
-            self.fed[slot] += n  # only the verified pairs: the mask rows are rolled back
+        _, rows, ids, feats, counts = self.begin_step(batch)  # mask rows: rolled back too
         ids, feats, num_tokens, last = self.with_mask_rows(ids, feats, counts, batch.k)
         logits, _ = self.drafter(ids, feats, self.cache, rows, num_tokens=num_tokens,
                                  logits_at=last)  # [B, K, V']
