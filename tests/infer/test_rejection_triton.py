@@ -83,7 +83,7 @@ def test_kernel_matches_reference_across_vocab_chunks(monkeypatch):
 
 def test_kernel_matches_reference_on_residual_fallback():
     """q = 2p: rejected rows have an all-zero residual and fall back to p."""
-    logits, drafts, _ = _case(seed=4, ragged=False)
+    logits, drafts, _ = _case(seed=7, ragged=False)
     probs = torch.softmax(logits[:, :-1], -1)
     ref, tri = _both(logits, drafts, 2 * probs, temperature=1.0, method="probabilistic")
     assert torch.equal(ref, tri)
