@@ -146,8 +146,9 @@ class SpeculativeConfig:
         if self.method is None:
             self._set("method", _infer_method(self.model, draft, path))
         _check_method_fits(self.method, draft, path)
-        if checkpoint_type(draft) in _VARIANTS:  # e.g. peagle: eagle3 + parallel drafting
-            self._set("parallel_drafting", _VARIANTS[checkpoint_type(draft)][1])
+        variant = _VARIANTS.get(checkpoint_type(draft))  # e.g. peagle: eagle3 + parallel
+        if variant is not None:
+            self._set("parallel_drafting", variant[1])
         self._check_model()
         if self.num_speculative_tokens is None:
             self._set("num_speculative_tokens", self._num_tokens_from_draft(draft, path))

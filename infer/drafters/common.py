@@ -135,6 +135,33 @@ def hf_layer_config(cfg: ModelConfig, *, num_layers: int = 1,
     }
 
 
+# ---- draft vocabulary (speculators' d2t: target id = draft id + d2t[draft id]) ------------------
+
+def d2t_from_ids(target_ids: Tensor, vocab_size: int, device: torch.device) -> Tensor:
+    """``d2t [Vd]`` (int64) of a draft vocabulary given as ``target_ids [Vd]`` (distinct ids in
+    ``[0, vocab_size)``); a clear error otherwise."""
+    ids = torch.as_tensor(target_ids, dtype=torch.long, device=device)
+    vd = ids.numel()
+    if ids.dim() != 1 or ids.unique().numel() != vd or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"draft vocabulary: expected distinct target ids in [0, {vocab_size}), "
+                         f"got shape {tuple(ids.shape)}")
+    return ids - torch.arange(vd, device=device)
+
+
+def draft_to_target_ids(draft_ids: Tensor, d2t: Tensor | None) -> Tensor:
+    """Draft-vocabulary ids -> target ids, any shape (``d2t`` None: the same vocabulary)."""
+    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+
+
+def draft_to_target_probs(q: Tensor, d2t: Tensor | None, vocab_size: int) -> Tensor:
+    """``q [..., Vd]`` -> ``[..., vocab_size]``: scattered to the target ids, 0 elsewhere (the
+    rejection sampler's q over the full vocabulary)."""
+    if d2t is None:
+        return q
+    out = q.new_zeros(*q.shape[:-1], vocab_size)
+    return out.index_copy_(-1, torch.arange(q.shape[-1], device=q.device) + d2t, q)
+
+
 def gather_rows(x: Tensor, index: Tensor | None) -> Tensor:
     """``x [B, T, D]`` at ``index [B, K]`` -> ``[B, K, D]`` (``index`` None: ``x`` unchanged)."""
     if index is None:

@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import hf_layer_config, read_checkpoint, share, write_checkpoint
+from infer.drafters.common import (d2t_from_ids, draft_to_target_ids, draft_to_target_probs,
+                                   hf_layer_config, read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
 from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm
 from infer.models.loader import config_from_hf, resolve_dtype
@@ -308,20 +309,16 @@ class DFlashDrafter(nn.Module):
 
     def set_vocab(self, target_ids: Tensor) -> None:
         """Draft vocabulary = ``target_ids [draft_vocab_size]`` (distinct, ascending ids)."""
-        if self.d2t is None:
-            return
-        ids = torch.as_tensor(target_ids, dtype=torch.long, device=self.d2t.device)
-        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        if self.d2t is not None:
+            self.d2t.copy_(d2t_from_ids(target_ids, self.layer_config.vocab_size,
+                                        self.d2t.device))
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+        return draft_to_target_ids(draft_ids, self.d2t)
 
     def to_target_probs(self, q: Tensor) -> Tensor:
         """``q [..., Vd]`` -> ``[..., vocab]`` scattered to target ids (0 outside)."""
-        if self.d2t is None:
-            return q
-        out = q.new_zeros(*q.shape[:-1], self.layer_config.vocab_size)
-        return out.index_copy_(-1, torch.arange(q.shape[-1], device=q.device) + self.d2t, q)
+        return draft_to_target_probs(q, self.d2t, self.layer_config.vocab_size)
 
     # ---- forwards ----------------------------------------------------------------------------
 

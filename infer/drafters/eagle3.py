@@ -51,7 +51,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (PairDrafter, StepKV, gather_rows, hf_layer_config,
+from infer.drafters.common import (PairDrafter, StepKV, d2t_from_ids, draft_to_target_ids,
+                                   draft_to_target_probs, gather_rows, hf_layer_config,
                                    read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
@@ -373,24 +374,21 @@ class Eagle3Drafter(PairDrafter):
 
     def set_vocab(self, target_ids: Tensor) -> None:
         """Draft vocabulary = ``target_ids [draft_vocab_size]`` (distinct target token ids)."""
-        ids = torch.as_tensor(target_ids, dtype=torch.long, device=self.d2t.device)
-        v, vd = self.layer_config.vocab_size, self.config.draft_vocab_size
-        if ids.shape != (vd,) or ids.unique().numel() != vd or ids.min() < 0 or ids.max() >= v:
-            raise ValueError(f"set_vocab: expected {vd} distinct target ids in [0, {v}), got "
-                             f"shape {tuple(ids.shape)}")
-        self.d2t.copy_(ids - torch.arange(vd, device=ids.device))
+        if torch.as_tensor(target_ids).shape != (self.config.draft_vocab_size,):
+            raise ValueError(f"set_vocab: expected {self.config.draft_vocab_size} target ids, got "
+                             f"shape {tuple(torch.as_tensor(target_ids).shape)}")
+        d2t = d2t_from_ids(target_ids, self.layer_config.vocab_size, self.d2t.device)
+        self.d2t.copy_(d2t)
         self.t2d.zero_()
-        self.t2d[ids] = True
+        self.t2d[self.to_target_ids(torch.arange(d2t.numel(), device=d2t.device))] = True
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids (``i + d2t[i]``), any shape."""
-        return draft_ids + self.d2t[draft_ids]
+        return draft_to_target_ids(draft_ids, self.d2t)
 
     def to_target_probs(self, q: Tensor) -> Tensor:
         """``q [..., draft_vocab]`` -> ``[..., vocab]``: scattered to target ids, 0 elsewhere."""
-        out = q.new_zeros(*q.shape[:-1], self.layer_config.vocab_size)
-        target = torch.arange(q.shape[-1], device=q.device) + self.d2t  # [draft_vocab]
-        return out.index_copy_(-1, target, q)
+        return draft_to_target_probs(q, self.d2t, self.layer_config.vocab_size)
 
     # ---- forwards ----------------------------------------------------------------------------
 

@@ -209,8 +209,9 @@ class PardObjective(Objective):
             metrics["loss/kd"] = kd_loss.detach()
             loss = loss + self.kd_weight * kd_loss
         with torch.no_grad():
-            metrics.update(self._accuracy(pb, logits.argmax(dim=-1) == pb.targets,
-                                          ce.detach(), t))
+            metrics.update(chain_accuracy(pb.copy, pb.index, pb.valid,
+                                          logits.argmax(dim=-1) == pb.targets,
+                                          ce.detach(), self.k, t))
         return LossOutput(loss, metrics, count)
 
     def _kd(self, hidden: Tensor, pb: PardBatch, logits: Tensor) -> Tensor:
@@ -221,10 +222,6 @@ class PardObjective(Objective):
             h = hidden[:, pb.index]  # [B, N, H]
             target_logp = F.log_softmax(lm(h.to(lm.weight.dtype)).float(), dim=-1)  # [B, N, V]
         return forward_kl(logits, target_logp)
-
-    def _accuracy(self, pb: PardBatch, right: Tensor, ce: Tensor, t: int) -> dict[str, Tensor]:
-        """Per-copy and chained accuracies (:func:`chain_accuracy`)."""
-        return chain_accuracy(pb.copy, pb.index, pb.valid, right, ce, self.k, t)
 
     def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """A Hugging Face causal-LM directory: the draft's config.json with ``pard_token``,

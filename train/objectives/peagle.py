@@ -116,7 +116,8 @@ class PEagleObjective(Eagle3Objective):
         config.speculative_tokens = self.depths
         self.drafter = PEagleDrafter(config, with_embedding=True)
         missing, _ = self.drafter.load_state_dict(base.state_dict(), strict=False)
-        assert missing == ["mask_hidden"], missing
+        if missing != ["mask_hidden"]:  # the head is EAGLE-3's plus mask_hidden, nothing else
+            raise RuntimeError(f"P-EAGLE head built from the EAGLE-3 head lacks {missing}")
         if init_mask is not None:
             with torch.no_grad():
                 self.drafter.mask_hidden.copy_(init_mask[0].view_as(self.drafter.mask_hidden))

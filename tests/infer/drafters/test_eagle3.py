@@ -113,6 +113,15 @@ def test_default_aux_layer_ids_too_few_layers(n):
 
 # ---- weights -------------------------------------------------------------------------------------
 
+def assert_same_outputs(d: Eagle3Drafter, loaded: Eagle3Drafter) -> None:
+    """The reloaded head computes exactly what the saved one did (logits and hidden)."""
+    ids, aux = inputs()
+    with torch.no_grad():
+        want = d.forward_train(ids, d.prepare(aux))
+        got = loaded.forward_train(ids, loaded.prepare(aux))
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
 @pytest.mark.parametrize("flags, extra_names", [
     ({}, set()),
     ({"norm_before_fc": True}, {"input_norm.weight"}),
@@ -124,11 +133,7 @@ def test_weight_names_and_save_load_identity(tmp_path, flags, extra_names):
     names = set(load_file(tmp_path / "head" / "model.safetensors"))
     assert names == BASE_NAMES | {"embed_tokens.weight"} | extra_names
     loaded = Eagle3Drafter.from_pretrained(tmp_path / "head")
-    ids, aux = inputs()
-    with torch.no_grad():
-        want = d.forward_train(ids, d.prepare(aux))
-        got = loaded.forward_train(ids, loaded.prepare(aux))
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert_same_outputs(d, loaded)
     assert not any(p.requires_grad for p in loaded.parameters())
 
 
@@ -325,11 +330,7 @@ def test_two_layer_head_names_shapes_and_round_trip(tmp_path):
     assert Eagle3Config.from_dict(raw).to_dict() == {**d.config.to_dict(),
                                                      "torch_dtype": "float32"}
     loaded = Eagle3Drafter.from_pretrained(tmp_path / "head")
-    ids, aux = inputs()
-    with torch.no_grad():
-        want = d.forward_train(ids, d.prepare(aux))
-        got = loaded.forward_train(ids, loaded.prepare(aux))
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert_same_outputs(d, loaded)
 
 
 def test_unused_hidden_norm_of_later_layers_is_dropped_on_load(tmp_path):

@@ -5,7 +5,6 @@ serves the export losslessly (draft_model + parallel_drafting)."""
 
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from infer.models.loader import load_config, load_model
 from train.config import TrainConfig
 from train.features import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
-from train.objectives.pard import PardObjective, choose_mask_token, cod_selection, pard_batch
+from train.objectives.pard import (PardObjective, chain_accuracy, choose_mask_token, cod_selection,
+                                   pard_batch)
 from train.vocab import DraftVocab
 from ..conftest import adam_steps, feature_batches, own_continuations
 
@@ -106,7 +106,7 @@ def test_per_copy_and_chained_accuracy_by_hand():
     assert pb.valid[0].int().tolist() == [1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 1, 0]
     right = torch.tensor([[1, 0, 1, 0, 0, 1, 1, 0, 0, 0, 1, 0]]).bool()
     ce = torch.arange(12.0)[None]
-    m = PardObjective._accuracy(SimpleNamespace(k=3), pb, right, ce, 4)
+    m = chain_accuracy(pb.copy, pb.index, pb.valid, right, ce, 3, 4)
     assert [m[f"acc_{j}"].item() for j in range(3)] == pytest.approx([2 / 3, 1, 1])
     # copy 1: t=1 right after (0,0) right; t=2 right but (0,1) wrong. copy 2: (0,0),(1,1),(2,2)
     assert [m[f"full_acc_{j}"].item() for j in range(3)] == pytest.approx([2 / 3, 1 / 2, 1])
