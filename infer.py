@@ -4,7 +4,8 @@ With no ``model`` it uses the embedded tiny target (built on first use) on held-
 prompts, drafting with the default recipe's trained EAGLE-3 head (outputs/tiny_eagle3/final)
 when ``python train.py`` has produced it, else with the tiny draft LM, unless
 ``speculative_config`` says otherwise.
-``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/eval/harness.py).
+``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/eval/harness.py);
+``mode=serve`` an OpenAI-compatible HTTP server (``serve.*`` keys; infer/serve/).
 A user error (config, file, value) prints one line and exits 2 (infer/entry.py).
 """
 
@@ -64,10 +65,13 @@ def generate_or_eval(cfg: InferConfig) -> None:
 
 
 def _run(cfg: InferConfig) -> None:
-    from infer.cli import check_mode, eval_prompts, read_prompts, run, run_eval
+    from infer.cli import check_mode, eval_prompts, read_prompts, run, run_eval, run_serve
 
     mode = check_mode(cfg)
     model, prompts = (cfg.model, None) if cfg.model else default_model(cfg)
+    if mode == "serve":
+        run_serve(cfg, model)
+        return
     if mode == "eval":
         run_eval(cfg, model, eval_prompts(cfg, model, prompts))
         return

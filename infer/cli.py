@@ -71,13 +71,18 @@ def metrics_table(metrics: dict, tok_s: float, k: int) -> str:
     return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
 
 
+def make_llm(cfg: InferConfig, model: str) -> LLM:
+    """The engine every mode but eval runs (eval builds one per matrix row)."""
+    return LLM(model, speculative_config=cfg.speculative_config, dtype=cfg.dtype,
+               device=cfg.device, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+               seed=cfg.seed, tokenizer=cfg.tokenizer, num_threads=cfg.num_threads)
+
+
 def run(cfg: InferConfig, model: str, prompts: list[Any]) -> list[dict]:
     """Generate for ``prompts`` with ``model``; print outputs and metrics; return result rows."""
     check_outputs(cfg)
     params = SamplingParams.from_dict(cfg.sampling)
-    llm = LLM(model, speculative_config=cfg.speculative_config, dtype=cfg.dtype,
-              device=cfg.device, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-              seed=cfg.seed, tokenizer=cfg.tokenizer, num_threads=cfg.num_threads)
+    llm = make_llm(cfg, model)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -99,6 +104,22 @@ def run(cfg: InferConfig, model: str, prompts: list[Any]) -> list[dict]:
         write_text(cfg.output, "".join(json.dumps(row) + "\n" for row in rows))
         print(f"wrote {len(rows)} results to {cfg.output}")
     return rows
+
+
+def run_serve(cfg: InferConfig, model: str) -> None:
+    """mode=serve: the OpenAI-compatible server until Ctrl-C / SIGTERM (infer/serve/)."""
+    from infer.serve.server import check_port, start_server
+
+    s = cfg.serve
+    check_port(s.host, s.port)  # before the model loads
+    llm = make_llm(cfg, model)
+    with start_server(llm, host=s.host, port=s.port, model_name=s.served_model_name or model,
+                      log_level=str(s.log_level.value)) as server:
+        spec = llm.spec.to_json() if llm.spec else "none (autoregressive)"
+        print(f"draftsmith serving {server.served.name!r} at {server.url}/v1 "
+              f"(speculative_config: {spec}; metrics at {server.url}/metrics; Ctrl-C stops)",
+              flush=True)
+        server.wait()
 
 
 # ---- mode=eval ----------------------------------------------------------------------------------

@@ -31,11 +31,20 @@ from infer.validation import (StrChoice, check_bool, check_choice, check_fields,
 class Mode(StrChoice):
     generate = "generate"
     eval = "eval"
+    serve = "serve"
 
 
 class LoggerKind(StrChoice):
     wandb = "wandb"
     none = "none"
+
+
+class LogLevel(StrChoice):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
 
 
 class Dtype(StrChoice):
@@ -115,11 +124,29 @@ class EvalConfig:
 
 
 @dataclass
+class ServeConfig:
+    """``infer.py mode=serve``: the OpenAI-compatible HTTP server (infer/serve/)."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0: every interface)."""
+    port: int = 8000
+    """TCP port; 0: any free port (the URL printed says which)."""
+    served_model_name: Optional[str] = None
+    """The name clients pass as "model" (and /v1/models lists); None: the model path."""
+    log_level: LogLevel = LogLevel.warning
+    """uvicorn's log level (debug, info, warning, error): info logs every request."""
+
+    def validate(self, where: str) -> None:
+        check_fields(self, "serve", _SERVE_RULES, where)
+
+
+@dataclass
 class InferConfig:
     """Top-level config of ``python infer.py``."""
 
     mode: Mode = Mode.generate
-    """generate: outputs and metrics for prompts; eval: the acceptance harness (eval.*)."""
+    """generate: outputs and metrics for prompts; eval: the acceptance harness (eval.*);
+    serve: an OpenAI-compatible HTTP server (serve.*) with Prometheus metrics."""
     model: Optional[str] = None
     """Target model directory or hub id; None: the embedded tiny target (built if missing)."""
     tokenizer: Optional[str] = None
@@ -151,6 +178,8 @@ class InferConfig:
     """Print each prompt's tail and its completion."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """mode=eval: the harness matrix."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """mode=serve: where the HTTP server listens."""
 
     def validate(self) -> None:
         """Every key (``eval.*`` included) before the first model is built or loaded."""
@@ -230,6 +259,10 @@ _EVAL_RULES = {
     "ignore_eos": check_bool, "warmup": check_bool, "output_dir": _opt_str,
     "logger": partial(check_choice, choices=LoggerKind), "wandb_project": check_str,
     "wandb_run_name": _opt_str}
+_SERVE_RULES = {
+    "host": check_str, "port": partial(check_int, minimum=0, maximum=65535),
+    "served_model_name": _opt_str,
+    "log_level": partial(check_choice, choices=LogLevel)}
 _INFER_RULES = {
     "mode": partial(check_choice, choices=Mode), "model": _opt_str, "tokenizer": _opt_str,
     "speculative_config": _check_spec, "sampling": _check_sampling,
@@ -238,7 +271,7 @@ _INFER_RULES = {
     "max_model_len": partial(check_int, minimum=2, optional=True),
     "max_num_seqs": partial(check_int, minimum=1),
     "num_threads": partial(check_int, minimum=1, optional=True), "seed": check_int,
-    "show_outputs": check_bool, "eval": _check_section}
+    "show_outputs": check_bool, "eval": _check_section, "serve": _check_section}
 
 
 def register_configs() -> None:

@@ -83,7 +83,8 @@ class LLM:
             self.static_forward = StaticForward(self.target.model, self.cache,
                                                 aux_layer_ids=self.features.aux_layer_ids)
         self.metrics = SpecMetrics()
-        self._running: list[Request] = []
+        self._running: list[Request] = []  # in KV-cache slots, sorted by slot
+        self._waiting: list[Request] = []  # queued, in arrival order
 
     @property
     def device(self) -> torch.device:
@@ -147,23 +148,71 @@ class LLM:
         refuses per request instead, as vLLM's server does for one HTTP request.
         docs/reference.md §8 has the details.
         """
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate: requests added with add_request are still running; "
+                               "step() them to the end first")
         requests = make_requests(prompts, sampling_params, self.target)
-        waiting = [r for r in requests if not r.finished]
+        self._waiting = [r for r in requests if not r.finished]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
-        bar.update(len(requests) - len(waiting))
-        while waiting or self._running:
-            waiting = self._admit(waiting)
-            done = self._retire()  # finished at their first token: never stepped
-            bar.update(done)
-            if done and waiting:
-                continue  # their slots are free again: admit more before stepping
-            if self._running:
-                if self.device.type == "cpu":
-                    GOVERNOR.tick()  # resize torch's team to the cores left free
-                self.speculative_step()
-            bar.update(self._retire())
+        bar.update(len(requests) - len(self._waiting))
+        while self.has_unfinished_requests():
+            bar.update(self.step())
         bar.close()
         return [request_output(r, self.target) for r in requests]
+
+    # ---- step by step (the server's loop: infer/serve/engine_loop.py) ---------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request built by :func:`~infer.request.make_request` (a refused one is
+        not queued: it is finished already). It joins the running batch at the next
+        :meth:`step` with a free slot, in arrival order."""
+        if not request.finished:
+            self._waiting.append(request)
+
+    def abort_request(self, request: Request) -> None:
+        """Drop a waiting request, or finish a running one now ("abort") and free its KV slot
+        and proposer state; the batch's other requests are not touched."""
+        self._waiting = [r for r in self._waiting if r is not request]
+        if not request.finished:
+            request.finish_reason = "abort"
+        self._retire()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> int:
+        """One scheduling round, :meth:`admit` then :meth:`decode`; returns how many requests
+        finished."""
+        return self.admit() + self.decode()
+
+    def admit(self) -> int:
+        """Prefill waiting requests into free slots (again while some finish at their first
+        token); returns how many finished. The server hands their first tokens out before the
+        next :meth:`decode`, so time to first token is the prefill's, as in vLLM."""
+        finished = 0
+        while True:
+            self._waiting = self._admit(self._waiting)
+            done = self._retire()  # finished at their first token: never stepped
+            finished += done
+            if not (done and self._waiting):
+                return finished  # else their slots are free again: admit more first
+
+    def decode(self) -> int:
+        """One :meth:`speculative_step` over the running batch; returns how many finished."""
+        if not self._running:
+            return 0
+        if self.device.type == "cpu":
+            GOVERNOR.tick()  # resize torch's team to the cores left free
+        self.speculative_step()
+        return self._retire()
 
     def get_metrics(self) -> dict:
         """Cumulative speculative metrics over every ``generate`` call (``infer/metrics.py``)."""

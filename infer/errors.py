@@ -26,7 +26,12 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """A configuration key has a value that is not allowed."""
+    """A configuration key has a value that is not allowed. ``key``: that key, when one is to
+    blame (the server reports it as the OpenAI error's ``param``)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class FileFormatError(UserError, ValueError):

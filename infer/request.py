@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from infer.detokenize import StopStrings, output_text
 from infer.errors import ConfigError, UserError
 from infer.metrics import SpecMetrics
 from infer.sampling_params import SamplingParams
@@ -24,7 +25,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", or "error"
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # as vLLM: the stop string or stop_token_ids id that
+    # ended it; None for EOS, length, or a request still running
 
 
 @dataclass
@@ -67,6 +70,8 @@ class Request:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     generator: torch.Generator | None = None  # its own stream when SamplingParams.seed is set
     error: str | None = None  # why it was refused; it then never runs (finish_reason "error")
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    stop_strings: StopStrings | None = None  # set when params.stop is not empty
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -97,15 +102,27 @@ class Request:
         p = self.params
         for i, tok in enumerate(new):
             self.tokens.append(tok)
-            stop = self.num_output >= p.min_tokens and (
-                tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_ids))
-            if stop:
-                self.finish_reason = "stop"
-            elif self.num_output >= p.max_tokens or len(self.tokens) >= max_model_len:
+            if self.num_output >= p.min_tokens:
+                self._check_stop(tok, eos_ids)
+            if not self.finished and (self.num_output >= p.max_tokens
+                                      or len(self.tokens) >= max_model_len):
                 self.finish_reason = "length"
             if self.finished:
                 return i + 1
         return len(new)
+
+    def _check_stop(self, tok: int, eos_ids: frozenset[int]) -> None:
+        """vLLM's order: a stop token id, then EOS, then a stop string (only once more than
+        min_tokens were generated: vLLM's detokenizer skips the check until then)."""
+        p = self.params
+        if tok in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in eos_ids:
+            self.finish_reason = "stop"
+        elif self.stop_strings is not None and self.num_output > p.min_tokens:
+            hit = self.stop_strings.hit(self.output_ids)
+            if hit is not None:
+                self.finish_reason, self.stop_reason = "stop", hit
 
 
 def prefill_groups(lengths: list[int], call_cost: int = 64) -> list[list[int]]:
@@ -159,12 +176,12 @@ def make_requests(prompts: Any, params: Any, target: Target) -> list[Request]:
     """
     prompts = _normalise_prompts(prompts)
     params_list = _normalise_params(params, len(prompts))
-    return [_make_request(i, prompt, p, target)
+    return [make_request(i, prompt, p, target)
             for i, (prompt, p) in enumerate(zip(prompts, params_list))]
 
 
-def _make_request(index: int, prompt: Any, params: Any, target: Target) -> Request:
-    """One request, or a refused one saying why (see ``make_requests``)."""
+def make_request(index: int, prompt: Any, params: Any, target: Target) -> Request:
+    """One request (id ``index``), or a refused one saying why (see ``make_requests``)."""
     text, ids = None, []
     try:
         text, ids = _prompt_parts(prompt)
@@ -175,6 +192,9 @@ def _make_request(index: int, prompt: Any, params: Any, target: Target) -> Reque
                            "SamplingParams")
         params.validate()
         _check_stop_ids(params.stop_token_ids, target)
+        if params.stop and target.tokenizer is None:
+            raise _Refused("has stop strings but the model directory has no tokenizer; "
+                           "expected stop_token_ids instead (or pass tokenizer=PATH)")
     except (_Refused, ConfigError) as e:
         ok_ids = all(isinstance(t, int) for t in ids)  # echoed back only when they are ids
         req = Request(index, text, list(ids) if ok_ids else [], params)
@@ -182,6 +202,8 @@ def _make_request(index: int, prompt: Any, params: Any, target: Target) -> Reque
         log.error("request refused: %s", req.error)
         return req
     req = Request(index, text, ids, params)
+    if params.stop:
+        req.stop_strings = StopStrings(target.tokenizer, params.stop)
     if params.seed is not None and not params.greedy:  # its own random stream
         req.generator = torch.Generator(device=target.device).manual_seed(params.seed)
     return req
@@ -190,9 +212,8 @@ def _make_request(index: int, prompt: Any, params: Any, target: Target) -> Reque
 def request_output(req: Request, target: Target) -> RequestOutput:
     """A finished (or refused) request as ``generate`` returns it."""
     ids = req.output_ids
-    tok = target.tokenizer
-    text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
-    completion = CompletionOutput(0, text, ids, req.finish_reason)
+    text = output_text(target.tokenizer, ids, req.stop_reason)
+    completion = CompletionOutput(0, text, ids, req.finish_reason, req.stop_reason)
     return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [completion],
                          req.metrics.as_dict(), req.error)
 

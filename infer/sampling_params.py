@@ -41,6 +41,10 @@ class SamplingParams:
     seed: Optional[int] = None
     """The request's own random stream (its samples then do not depend on the rest of the
     batch); None: the engine's generator."""
+    stop: List[str] = field(default_factory=list)
+    """Strings that end the request (vLLM's ``stop``): the output stops at the first token that
+    completes one, and the text is cut before it (infer/detokenize.py). A single string is
+    taken as a list of one. Needs a tokenizer."""
     stop_token_ids: List[int] = field(default_factory=list)
     """Token ids that end the request (kept in the output), besides EOS."""
     ignore_eos: bool = False
@@ -66,6 +70,7 @@ class SamplingParams:
             raise config_error("min_tokens", self.min_tokens,
                                f"an integer <= max_tokens ({self.max_tokens})", _WHERE)
         check_int("seed", self.seed, _WHERE, optional=True)
+        self._check_stop()
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0
                 for t in self.stop_token_ids):
@@ -77,6 +82,15 @@ class SamplingParams:
         check_int("n", self.n, _WHERE)
         if self.n != 1:
             raise config_error("n", self.n, "1 (one output per prompt is supported)", _WHERE)
+
+    def _check_stop(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(
+                isinstance(s, str) and s for s in self.stop):
+            raise config_error("stop", self.stop, "a string or a list of non-empty strings",
+                               _WHERE)
+        self.stop = list(self.stop)
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,7 @@ def config_error(key: str, value: Any, allowed: str, where: str = "") -> ConfigE
     prefix = f"{where}: " if where else ""
     if isinstance(value, Enum):  # a config enum member: show the value the user wrote
         value = value.value
-    return ConfigError(f"{prefix}invalid value for {key!r}: {value!r}; expected {allowed}")
+    return ConfigError(f"{prefix}invalid value for {key!r}: {value!r}; expected {allowed}", key)
 
 
 def reject_unknown_keys(keys: Iterable[str], known: Iterable[str], where: str,
@@ -29,8 +29,9 @@ def reject_unknown_keys(keys: Iterable[str], known: Iterable[str], where: str,
         if key in known:
             continue
         if hints and key in hints:
-            raise ConfigError(f"{where}: key {key!r} is not allowed here; {hints[key]}")
-        raise ConfigError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(known)}")
+            raise ConfigError(f"{where}: key {key!r} is not allowed here; {hints[key]}", key)
+        raise ConfigError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(known)}",
+                          key)
 
 
 def check_int(key: str, value: Any, where: str, *, minimum: int | None = None,
