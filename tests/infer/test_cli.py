@@ -39,9 +39,10 @@ def test_prompts_file_formats(tmp_path):
 
 def test_mode_check():
     assert check_mode(InferConfig(mode="eval")) is Mode.eval
-    with pytest.raises(ValueError, match=r"invalid value for 'mode': 'serve'; expected one of "
-                                         r"generate \| eval"):
-        check_mode(InferConfig(mode="serve"))
+    assert check_mode(InferConfig(mode="serve")) is Mode.serve
+    with pytest.raises(ValueError, match=r"invalid value for 'mode': 'train'; expected one of "
+                                         r"generate \| eval \| serve"):
+        check_mode(InferConfig(mode="train"))
 
 
 def compose_infer(overrides):
@@ -54,12 +55,12 @@ def test_every_sampling_key_on_the_command_line():
     """Each SamplingParams field is a key of the typed config: sampling.KEY=VALUE, no "+"."""
     values = {"temperature": "0.7", "top_p": "0.9", "top_k": "5", "max_tokens": "32",
               "min_tokens": "2", "seed": "3", "stop_token_ids": "[1,2]", "ignore_eos": "true",
-              "n": "1"}
+              "n": "1", "stop": "[return,'# end']"}
     assert set(values) == {f.name for f in fields(SamplingParams)}
     cfg = OmegaConf.to_object(compose_infer([f"sampling.{k}={v}" for k, v in values.items()]))
     assert SamplingParams.from_dict(cfg.sampling) == SamplingParams(
         temperature=0.7, top_p=0.9, top_k=5, max_tokens=32, min_tokens=2, seed=3,
-        stop_token_ids=[1, 2], ignore_eos=True)
+        stop_token_ids=[1, 2], ignore_eos=True, stop=["return", "# end"])
     default = SamplingParams.from_dict(OmegaConf.to_object(compose_infer([])).sampling)
     assert default == SamplingParams(temperature=0.0, max_tokens=64)  # the rest: SamplingParams'
 

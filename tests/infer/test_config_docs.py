@@ -43,7 +43,8 @@ def test_schema_help_lines():
 
 @pytest.mark.parametrize("entry, line", [
     ("train.py", "features.mode: 'online' (online | offline) -- online: the frozen target"),
-    ("infer.py", "mode: 'generate' (generate | eval) -- generate: outputs"),
+    ("infer.py", "mode: 'generate' (generate | eval | serve) -- generate: outputs"),
+    ("infer.py", "serve.port: 8000 -- TCP port"),
     ("infer.py", "sampling.top_p: 1.0 -- Nucleus sampling"),  # SamplingParams' own docstrings
 ])
 def test_help_prints_the_settings(entry, line):
@@ -58,7 +59,8 @@ def test_help_prints_the_settings(entry, line):
     ("train", "trainer.schedule=exp", "cosine, linear, constant"),
     ("train", "features.mode=both", "online, offline"),
     ("train", "logger.kind=tensorboard", "wandb, none"),
-    ("infer", "mode=serve", "generate, eval"),
+    ("infer", "mode=train", "generate, eval, serve"),
+    ("infer", "serve.log_level=loud", "critical, error, warning, info, debug"),
 ])
 def test_bad_enum_values_fail_at_compose_time(name, override, allowed):
     if name == "train":
