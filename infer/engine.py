@@ -155,9 +155,15 @@ class LLM:
         self._waiting = [r for r in requests if not r.finished]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
         bar.update(len(requests) - len(self._waiting))
-        while self.has_unfinished_requests():
-            bar.update(self.step())
-        bar.close()
+        try:
+            while self.has_unfinished_requests():
+                bar.update(self.step())
+        except BaseException:  # Ctrl-C, a bug: free the slots, so the engine stays usable
+            for r in requests:
+                self.abort_request(r)
+            raise
+        finally:
+            bar.close()
         return [request_output(r, self.target) for r in requests]
 
     # ---- step by step (the server's loop: infer/serve/engine_loop.py) ---------------------------

@@ -18,6 +18,12 @@ interval and grows back when the neighbour leaves. Each look costs one read of `
 (microseconds); between looks, ``tick`` is a clock read. Without ``/proc/stat`` (macOS,
 Windows) the count stays at the ceiling.
 
+A server (``infer.py mode=serve``) keeps one core for its HTTP event loop (``reserve(1)``): that
+thread is in this process, so the look above cannot see it, and a team spread over its core
+collapses the same way (measured: 2 torch threads beside the server's own event loop and a load
+client ran the tiny target's decode step in 4.5 ms, one thread in 1.8 ms). vLLM's CPU backend
+likewise keeps a core for its front end.
+
 ``num_threads`` (``python infer.py num_threads=N``, ``python train.py trainer.num_threads=N``,
 ``LLM(num_threads=N)``): None = this policy, N = exactly N threads, never changed. The policy and
 the thread counts it ran with are logged at start-up and recorded in results.json.
@@ -86,6 +92,7 @@ class ThreadGovernor:
     ticks_at: Counter = field(default_factory=Counter)  # thread count -> ticks run with it
     _last: tuple[float, float, float | None] | None = None
     _applied: int = 0  # the count the governor last set
+    reserved: int = 0  # cores kept free for this process's other busy threads (a server's)
 
     def start(self, num_threads: int | None = None) -> None:
         """Apply ``num_threads`` (None: the policy). The ceiling is torch's thread count at the
@@ -99,9 +106,22 @@ class ThreadGovernor:
         changed = self._last is None or num_threads != self.fixed
         self.fixed = num_threads
         if changed or outside:  # an auto governor already running keeps what it learnt
-            self._apply(num_threads or self.ceiling)
+            self._apply(num_threads or self.cap)
         self._last = self._sample()
         if changed:
+            log.info("torch threads: %s", self.describe())
+
+    @property
+    def cap(self) -> int:
+        """The most threads the policy runs: the ceiling less the reserved cores."""
+        return max(1, self.ceiling - self.reserved)
+
+    def reserve(self, cores: int) -> None:
+        """Keep ``cores`` cores free of torch threads from now on (policy ``auto`` only)."""
+        check_int("cores", cores, "thread policy", minimum=0)
+        self.reserved = cores
+        if self.fixed is None and self.ceiling:
+            self._apply(min(torch.get_num_threads(), self.cap))
             log.info("torch threads: %s", self.describe())
 
     def _apply(self, n: int) -> None:
@@ -112,8 +132,9 @@ class ThreadGovernor:
     def describe(self) -> str:
         if self.fixed is not None:
             return f"{self.fixed} (num_threads, fixed)"
+        kept = f", {self.reserved} kept for this process's server" if self.reserved else ""
         return (f"{torch.get_num_threads()} now; auto: one per core not busy with other "
-                f"processes, at most {self.ceiling} of {usable_cores()} usable cores")
+                f"processes, at most {self.cap} of {usable_cores()} usable cores{kept}")
 
     def tick(self) -> None:
         """Called once per step: every ``interval_s``, resize the team to the free cores."""
@@ -127,7 +148,7 @@ class ThreadGovernor:
         self._last = now
         if other is None:
             return
-        want = threads_for(other, self.ceiling)
+        want = threads_for(other, self.cap)
         if want != torch.get_num_threads():
             log.info("torch threads %d -> %d (other processes busy on %.2f cores)",
                      torch.get_num_threads(), want, other)
@@ -137,7 +158,8 @@ class ThreadGovernor:
         """What results.json keeps: the policy and the steps run at each thread count."""
         return {"policy": "fixed" if self.fixed is not None else "auto",
                 "num_threads": self.fixed, "ceiling": self.ceiling,
-                "usable_cores": usable_cores(), "threads_now": torch.get_num_threads(),
+                "usable_cores": usable_cores(), "reserved": self.reserved,
+                "threads_now": torch.get_num_threads(),
                 "steps_at_threads": {str(k): v for k, v in sorted(self.ticks_at.items())}}
 
     @staticmethod

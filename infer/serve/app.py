@@ -68,6 +68,9 @@ def build_app(served: ServedModel) -> FastAPI:
 
 async def _run(job: Job, served: ServedModel, http: HttpRequest, streamed: bool,
                include_usage: bool) -> Response:
+    if not served.loop.alive:  # before a stream's 200 goes out
+        raise ApiError("the engine has stopped after a failure (see the server's log); "
+                       "restart the server", None, 503, "ServiceUnavailableError")
     if not streamed:
         async with _abort_on_disconnect(http, job, served):
             return JSONResponse(await respond(job, served))

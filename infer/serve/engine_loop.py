@@ -80,10 +80,14 @@ class EngineLoop:
         return self._thread.is_alive() and self.failure is None
 
     def submit(self, request: Request, on_update: Callable[[TokenUpdate], None]) -> None:
-        """Queue a validated request; ``on_update`` is called from the engine thread."""
+        """Queue a validated request; ``on_update`` is called from the engine thread (at once,
+        with an error, if the loop has died)."""
         with self._lock:
-            self._inbox.append(_Tracked(request, on_update))
-        self._wake.set()
+            if self.failure is None:
+                self._inbox.append(_Tracked(request, on_update))
+                self._wake.set()
+                return
+        on_update(self._failed(request))
 
     def abort(self, request: Request) -> None:
         """Abort a request (a client went away): its slot is freed before the next step."""
@@ -106,11 +110,16 @@ class EngineLoop:
                 self.llm.decode()
                 self._hand_over()
         except BaseException as e:  # a bug: fail what is in flight, say so on /health
-            self.failure = e
-            log.exception("the engine loop failed; every running request gets an error")
-            for t in list(self._tracked.values()):
-                t.on_update(TokenUpdate(t.request.output_ids, "error",
-                                        error=f"engine failure: {e!r}"))
+            log.exception("the engine loop failed; every request in flight gets an error")
+            with self._lock:
+                self.failure = e
+                queued, self._inbox = self._inbox, []
+            for t in list(self._tracked.values()) + queued:
+                t.on_update(self._failed(t.request))
+
+    def _failed(self, request: Request) -> TokenUpdate:
+        return TokenUpdate(request.output_ids, "error",
+                           error=f"engine failure: {self.failure!r}")
 
     def _apply_inbox(self) -> None:
         with self._lock:

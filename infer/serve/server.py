@@ -23,6 +23,7 @@ from infer.serve.app import build_app
 from infer.serve.engine_loop import EngineLoop
 from infer.serve.generation import ServedModel
 from infer.serve.prometheus import ServeMetrics
+from infer.threads import GOVERNOR
 
 _START_TIMEOUT_S = 60.0
 
@@ -41,6 +42,7 @@ class RunningServer:
         self._server.should_exit = True
         self._thread.join(timeout=30)
         self.served.loop.close()
+        GOVERNOR.reserve(0)
 
     def wait(self) -> None:
         """Block until the server stops (``close`` from elsewhere, or a signal raising here)."""
@@ -69,6 +71,8 @@ def start_server(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
                  model_name: str | None = None, log_level: str = "warning") -> RunningServer:
     """Serve ``llm`` on ``host:port`` (0: a free port) and return once it accepts requests."""
     name = model_name or llm.target.path
+    if llm.device.type == "cpu":
+        GOVERNOR.reserve(1)  # the event loop's core (infer/threads.py)
     metrics = ServeMetrics(name, llm.k if llm.spec else None)
     served = ServedModel(llm, EngineLoop(llm, metrics).start(), name)
     config = uvicorn.Config(build_app(served), host=host, port=port, log_level=log_level,

@@ -109,3 +109,26 @@ def test_engine_applies_num_threads_and_reports_it(tiny_target, restore_threads)
         LLM(tiny_target, num_threads=0, device="cpu")
     LLM(tiny_target, device="cpu")  # back to the policy
     assert machine_settings()["thread_policy"]["policy"] == "auto"
+
+
+def test_reserve_keeps_cores_for_the_server(monkeypatch):
+    """A server keeps one core for its event loop: the auto policy runs at most ceiling - 1
+    threads, at least one, and a fixed num_threads is left alone."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        gov = threads.ThreadGovernor()
+        gov.start(None)
+        gov.reserve(1)
+        assert gov.cap == 3 and torch.get_num_threads() == 3
+        assert "1 kept for this process's server" in gov.describe()
+        assert threads.threads_for(0.0, gov.cap) == 3
+        gov.reserve(5)
+        assert gov.cap == 1 and torch.get_num_threads() == 1
+        fixed = threads.ThreadGovernor()
+        fixed.start(2)
+        fixed.reserve(1)
+        assert torch.get_num_threads() == 2 and fixed.record()["reserved"] == 1
+    finally:
+        torch.set_num_threads(before)

@@ -147,3 +147,22 @@ def test_disconnect_frees_the_slot(long_target, serve, streamed):
         assert _wait_for(lambda: llm.num_running == 0)
         r = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_an_engine_failure_fails_requests_not_the_server(chat_target, serve):
+    """A bug inside a step: the requests in flight get a 500 (an error event when streamed),
+    /health turns 503 and later requests a 503; the HTTP server itself keeps answering."""
+    llm = LLM(chat_target, None, max_num_seqs=2)
+
+    def broken():
+        raise RuntimeError("boom")
+
+    llm.decode = broken
+    server = serve(llm)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8})
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        r = http.post("/v1/completions", json={"prompt": PROMPTS[0], "stream": True})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "vllm:num_requests_running" in http.get("/metrics").text
