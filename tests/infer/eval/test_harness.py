@@ -322,7 +322,7 @@ def test_infer_mode_eval(tiny_target, tmp_path):
     assert report.results[0].method == "ngram" and report.results[0].lossless is True
     assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"][
         "num_prompts"] == 2
-    cfg.mode = "serve"
+    cfg.mode = "train"
     with pytest.raises(ValueError, match="'mode'"):
         check_mode(cfg)
     assert with_default_draft([{"method": "draft_model"}, {"method": "ngram"}], "d") == [

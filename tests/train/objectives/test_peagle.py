@@ -140,7 +140,9 @@ def test_export_round_trip_and_serving(trained, env, train_data, tmp_path):
     again = build("peagle", env, train_data, seed=5, parallel_depths=3).eval()
     again.drafter = loaded
     with torch.no_grad():
-        assert torch.equal(again.rows(batch)[1], obj.eval().rows(batch)[1])
+        # equal weights; the kernels may round differently (1e-6 on an AMD EPYC)
+        torch.testing.assert_close(again.rows(batch)[1], obj.eval().rows(batch)[1],
+                                   rtol=1e-5, atol=1e-5)
     # init_from a peagle export: same head, same mask state
     resumed = build("peagle", env, train_data, seed=9, parallel_depths=3,
                     init_from=str(path)).eval()
