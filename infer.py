@@ -60,7 +60,7 @@ def generate_or_eval(cfg: InferConfig) -> None:
 
     cfg.validate()  # every key, before the tiny target is built or a model loaded
     check_outputs(cfg)  # and where results go can be written
-    with raise_on_signals("no results were written"):
+    with raise_on_signals("server stopped" if cfg.mode == "serve" else "no results were written"):
         _run(cfg)
 
 

@@ -51,7 +51,8 @@ def test_infer_py_mode_serve(chat_target):
         assert "vllm:spec_decode_num_drafts_total" in httpx.get(url + "/metrics").text
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "interrupted by SIGTERM; server stopped" in err
     finally:
         proc.kill()
         proc.wait()
