@@ -13,6 +13,7 @@ waiting ones are prefilled into free slots before the next step.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from typing import Any, ContextManager, Sequence
 
@@ -62,6 +63,9 @@ class LLM:
         else:
             self.target = Target.load(model, dtype=dtype, device=device,
                                       max_model_len=max_model_len, tokenizer=tokenizer)
+        if self.spec is not None and self.spec.method == "mtp" and self.spec.model is None:
+            # vLLM: the draft of mtp is the target itself (its MTP layers)
+            self.spec = dataclasses.replace(self.spec, model=self.target.path)
         self.max_num_seqs, self.seed = max_num_seqs, seed
         self.num_threads = num_threads
         if self.device.type == "cpu":

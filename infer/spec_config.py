@@ -18,6 +18,7 @@ plain JSON from a local directory: no remote code, no network; a hub id uses the
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -29,6 +30,7 @@ from infer.files import read_json
 from infer.validation import check_float, check_int, config_error, reject_unknown_keys
 
 _WHERE = "speculative_config"
+log = logging.getLogger(__name__)
 
 # vLLM's method names. The schema accepts all of them; the engine decides which it serves.
 METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3", "dflash",
@@ -49,6 +51,15 @@ _PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp", "dflash")
 # them to (method, parallel_drafting). P-EAGLE is an EAGLE-3 head drafting in parallel.
 _VARIANTS = {"peagle": ("eagle3", True)}
 _PROMPT_LOOKUP_DEFAULT = 5
+# vLLM 0.32's deprecated per-model names of method "mtp" (a warning, then "mtp")
+MTP_ALIASES = (
+    "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",
+    "glm4_moe_lite_mtp", "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp",
+    "exaone4_5_mtp", "qwen3_next_mtp", "qwen4_exp_mtp", "qwen3_5_mtp", "longcat_flash_mtp",
+    "bailing_hybrid_v3_mtp", "minimax_m3_mtp", "bailing_hybrid_mtp", "kimi_k3_mtp",
+    "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp", "inkling_mtp",
+    "glm5_next_mtp")
+MTP_LAYERS_KEY = "num_nextn_predict_layers"  # a target's MTP layer count (config.json)
 
 # vLLM's per-request sampling keys (a superset of draftsmith's SamplingParams fields): people copy
 # them into speculative_config; the error points them at SamplingParams instead.
@@ -136,6 +147,9 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.method in MTP_ALIASES:
+            log.warning("method `%s` is deprecated and replaced with mtp.", self.method)
+            self._set("method", "mtp")
         for key, (check, kwargs) in _FIELD_RULES.items():
             check(key, getattr(self, key), _WHERE, **kwargs)
             if check is check_float and getattr(self, key) is not None:
@@ -150,7 +164,9 @@ class SpeculativeConfig:
         if variant is not None:
             self._set("parallel_drafting", variant[1])
         self._check_model()
-        if self.num_speculative_tokens is None:
+        if self.method == "mtp":
+            self._resolve_mtp(draft, path)
+        elif self.num_speculative_tokens is None:
             self._set("num_speculative_tokens", self._num_tokens_from_draft(draft, path))
         self._check_parallel_drafting()
         self._resolve_sampling()
@@ -203,6 +219,29 @@ class SpeculativeConfig:
                                "(mlp_speculator n_predict, speculators speculative_tokens)", _WHERE)
         check_int(name, value, f"{_WHERE}: draft config {path}", minimum=1)
         return value
+
+    def _resolve_mtp(self, draft: dict[str, Any], path: Path | None) -> None:
+        """vLLM's rules for ``mtp``, whose draft is the target itself (``model``; None until the
+        engine fills in its target): the target must declare MTP layers (vLLM fails late and
+        obscurely without them); k defaults to their number ``n``; a larger k must be a
+        multiple of ``n`` (the layers run again on their own outputs)."""
+        if self.model is None:
+            return  # LLM.__init__ resolves it against the loaded target
+        n = draft.get(MTP_LAYERS_KEY) or 0
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"{_WHERE}: method 'mtp' needs a target with native MTP layers, "
+                              f"but {path or self.model} declares none ({MTP_LAYERS_KEY}: "
+                              f"{draft.get(MTP_LAYERS_KEY)!r}); train a drafter for it instead "
+                              "(eagle3, draft_model ...)")
+        k = self.num_speculative_tokens
+        if k is None:
+            self._set("num_speculative_tokens", n)
+        elif k > n and k % n:
+            raise config_error("num_speculative_tokens", k, f"at most {n} or a multiple of {n} "
+                               f"(the target's {MTP_LAYERS_KEY})", _WHERE)
+        if self.num_speculative_tokens > 1:  # vLLM's warning
+            log.warning("Enabling num_speculative_tokens > 1 will run multiple times of forward "
+                        "on same MTP layer, which may result in lower acceptance rate")
 
     def _check_parallel_drafting(self) -> None:
         if self.parallel_drafting and self.method not in _PARALLEL_DRAFTING:

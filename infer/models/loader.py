@@ -40,6 +40,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": ArchSpec("mistral", qkv_bias=False, qk_norm=False, sliding="all"),
     "Qwen2ForCausalLM": ArchSpec("qwen2", qkv_bias=True, qk_norm=False, sliding="layer_types"),
     "Qwen3ForCausalLM": ArchSpec("qwen3", qkv_bias=None, qk_norm=True, sliding="layer_types"),
+    # Xiaomi MiMo: the Qwen2 body; its MTP layers (model.mtp_layers.*) are infer/drafters/mtp.py's
+    "MiMoForCausalLM": ArchSpec("mimo", qkv_bias=True, qk_norm=False, sliding="layer_types"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -209,8 +211,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def native_name(hf_name: str) -> str | None:
     """Hugging Face weight name -> ours (drop the ``model.`` prefix); None = not a weight we use."""
-    if hf_name.endswith("rotary_emb.inv_freq"):
-        return None
+    if hf_name.endswith("rotary_emb.inv_freq") or hf_name.startswith("model.mtp_layers."):
+        return None  # MTP layers: loaded by the mtp proposer (infer/drafters/mtp.py)
     return hf_name.removeprefix("model.")
 
 

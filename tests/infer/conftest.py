@@ -125,3 +125,53 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def save_tiny_mimo(path, *, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, seed=0,
+                   mtp_layers=1, std=0.5, eos=None):
+    """A random MiMo checkpoint (``MiMoForCausalLM``: a Qwen2 body with q/k/v biases) with
+    ``mtp_layers`` MTP layers under ``model.mtp_layers.{i}.*``, as Xiaomi ships it: written
+    as a Qwen2 directory by transformers, then config.json retyped and the MTP tensors added
+    (transformers has no native MiMo class). Returns the path as str."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      eos_token_id=eos, bos_token_id=None, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std if p.ndim > 1 else 0.1)
+            if p.ndim == 1 and p.shape[0] == hidden:
+                p.add_(1.0)  # norms near 1
+    model.save_pretrained(path)
+    raw = json.loads((Path(path) / "config.json").read_text())
+    raw.update(architectures=["MiMoForCausalLM"], model_type="mimo",
+               num_nextn_predict_layers=mtp_layers)
+    (Path(path) / "config.json").write_text(json.dumps(raw, indent=2))
+    state = load_file(Path(path) / "model.safetensors")
+    h, kv = hidden, kv_heads * (hidden // heads)
+    shapes = {"token_layernorm.weight": (h,), "hidden_layernorm.weight": (h,),
+              "input_proj.weight": (h, 2 * h), "input_layernorm.weight": (h,),
+              "self_attn.q_proj.weight": (h, h), "self_attn.q_proj.bias": (h,),
+              "self_attn.k_proj.weight": (kv, h), "self_attn.k_proj.bias": (kv,),
+              "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
+              "self_attn.o_proj.weight": (h, h), "post_attention_layernorm.weight": (h,),
+              "mlp.gate_proj.weight": (2 * h, h), "mlp.up_proj.weight": (2 * h, h),
+              "mlp.down_proj.weight": (h, 2 * h), "final_layernorm.weight": (h,)}
+    for i in range(mtp_layers):
+        for name, shape in shapes.items():
+            t = torch.randn(shape) * (std if len(shape) > 1 else 0.1)
+            if name.endswith("layernorm.weight"):
+                t += 1.0
+            state[f"model.mtp_layers.{i}.{name}"] = t
+    save_file(state, Path(path) / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def mimo_target(tmp_path_factory):
+    return save_tiny_mimo(tmp_path_factory.mktemp("mimo"), seed=2, std=0.3)
