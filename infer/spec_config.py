@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from infer.errors import ConfigError
+from infer.errors import ConfigError, MissingFileError
 from infer.files import read_json
 from infer.validation import check_float, check_int, config_error, reject_unknown_keys
 
@@ -227,10 +227,18 @@ class SpeculativeConfig:
         multiple of ``n`` (the layers run again on their own outputs)."""
         if self.model is None:
             return  # LLM.__init__ resolves it against the loaded target
+        if path is None:  # a hub id: the target's config.json from the local cache, if there
+            path = _cached_config_path(self.model)
+            if path is None:
+                raise ConfigError(f"{_WHERE}: method 'mtp' reads the target's {MTP_LAYERS_KEY} "
+                                  f"from its config.json, but model={self.model!r} is neither "
+                                  "a local model directory nor a hub id in the local Hugging "
+                                  "Face cache")
+            draft = read_draft_config(path)
         n = draft.get(MTP_LAYERS_KEY) or 0
         if not isinstance(n, int) or n < 1:
             raise ConfigError(f"{_WHERE}: method 'mtp' needs a target with native MTP layers, "
-                              f"but {path or self.model} declares none ({MTP_LAYERS_KEY}: "
+                              f"but {path} declares none ({MTP_LAYERS_KEY}: "
                               f"{draft.get(MTP_LAYERS_KEY)!r}); train a drafter for it instead "
                               "(eagle3, draft_model ...)")
         k = self.num_speculative_tokens
@@ -347,6 +355,18 @@ def draft_config_path(model: str) -> Path | None:
         path = path / "config.json"
         return path if path.is_file() else None
     return path if path.is_file() and path.suffix == ".json" else None
+
+
+def _cached_config_path(model: str) -> Path | None:
+    """The config.json of a hub id already in the local Hugging Face cache (no network), the
+    way the target loader finds it; None when it is not there."""
+    from infer.models.loader import resolve_model_dir  # lazy: parsing needs no torch
+
+    try:
+        path = resolve_model_dir(model) / "config.json"
+    except MissingFileError:
+        return None
+    return path if path.is_file() else None
 
 
 def read_draft_config(path: Path | str) -> dict[str, Any]:

@@ -161,8 +161,8 @@ class DrafterConfig:
     """The drafter architecture; keys a method does not use are ignored by it."""
 
     method: str = "eagle3"
-    """The objective (train/objectives/): eagle3, eagle, peagle, dflash, mlp_speculator or
-    pard."""
+    """The objective (train/objectives/): eagle3, eagle, peagle, dflash, mlp_speculator, pard
+    or mtp (the target's own MTP layer)."""
     draft_vocab_size: int = 1024
     """eagle3 / peagle / dflash: LM head over the most frequent training-target tokens."""
     aux_layer_ids: Optional[List[int]] = None
@@ -198,7 +198,7 @@ class DrafterConfig:
     mask_token_id: Optional[int] = None
     """pard / peagle / dflash: the mask token; None: picked automatically (an unused id)."""
     init_from: Optional[str] = None
-    """Start from an exported checkpoint of this method."""
+    """Start from an exported checkpoint of this method (mtp: a stitched target)."""
 
 
 @dataclass

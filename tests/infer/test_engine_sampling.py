@@ -39,8 +39,10 @@ def models(make_tiny_llama):
 
 
 def exact_laws(model_dir, temperature, top_k, top_p):
-    """P(t1, t2) ``[V, V]`` and P(t3) ``[V]`` of the model under the sampling transform."""
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    """P(t1, t2) ``[V, V]`` and P(t3) ``[V]`` of the model under the sampling transform
+    (``model_dir``: a Llama directory, or a loaded transformers model)."""
+    model = model_dir if isinstance(model_dir, torch.nn.Module) else \
+        LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     def next_token(seqs):
         with torch.no_grad():

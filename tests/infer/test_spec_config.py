@@ -272,6 +272,29 @@ def test_infer_medusa(tmp_path):
         SpeculativeConfig.parse({"model": str(path)})
 
 
+MIMO = {"architectures": ["MiMoForCausalLM"], "model_type": "mimo",
+        "num_nextn_predict_layers": 2}
+
+
+def test_mtp_rules_from_the_target_config(tmp_path, caplog):
+    """vLLM's mtp rules: k defaults to num_nextn_predict_layers (n), k > n must be a multiple
+    of n, a target without MTP layers is refused, the deprecated aliases warn and become mtp."""
+    path = str(_draft_dir(tmp_path, "mimo", MIMO))
+    cfg = SpeculativeConfig.parse({"method": "mtp", "model": path})
+    assert cfg.num_speculative_tokens == 2 and SpeculativeConfig.parse(cfg.to_dict()) == cfg
+    for k in (1, 2, 4, 6):
+        assert SpeculativeConfig(method="mtp", model=path, num_speculative_tokens=k) \
+            .num_speculative_tokens == k
+    with pytest.raises(ValueError, match=r"'num_speculative_tokens'.*3.*multiple of 2"):
+        SpeculativeConfig(method="mtp", model=path, num_speculative_tokens=3)
+    with caplog.at_level("WARNING", logger="infer.spec_config"):
+        alias = SpeculativeConfig.parse({"method": "mimo_mtp", "model": path})
+    assert alias == cfg and "`mimo_mtp` is deprecated and replaced with mtp" in caplog.text
+    plain = _draft_dir(tmp_path, "llama", LLAMA)
+    with pytest.raises(ValueError, match="native MTP layers.*num_nextn_predict_layers: None"):
+        SpeculativeConfig.parse({"method": "mtp", "model": str(plain)})
+
+
 def test_infer_plain_llama_is_draft_model(tmp_path):
     # the directories above the checkpoint do not count, only its own name
     path = _draft_dir(tmp_path / "eagle3-runs", "llama-68m", LLAMA)

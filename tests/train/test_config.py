@@ -12,7 +12,7 @@ from train.config import DEFAULT_RECIPE, TrainConfig, recipe_names, register_con
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 EXPECTED = {"tiny_eagle3", "tiny_eagle", "tiny_mlp", "tiny_pard", "tiny_peagle", "tiny_dflash",
             "eagle3_llama8b", "eagle3_qwen3_8b", "eagle_llama8b", "mlp_llama8b", "pard_llama8b",
-            "peagle_llama8b", "dflash_qwen3_8b"}
+            "peagle_llama8b", "dflash_qwen3_8b", "tiny_mtp", "mtp_mimo7b"}
 
 
 def compose_train(overrides):

@@ -195,3 +195,19 @@ def test_wandb_offline_run_has_training_and_acceptance(tmp_path, train_target, c
     assert "train/loss" in summary and "train/full_acc_1" in summary
     assert summary["eval/tiny_eagle3/k2/T0/b1/acceptance_length"] >= 1.0
     assert "eval/tiny_eagle3/k2/T0/b1/per_position/1" in summary
+
+
+@pytest.mark.slow
+def test_mtp_recipe_end_to_end(tmp_path, train_target, chat_file):
+    """tiny_mtp through the whole pipeline on a Llama target: a stitched MiMo export that the
+    schema serves as mtp (k from its num_nextn_predict_layers), losslessly."""
+    cfg = make_cfg(tmp_path, train_target, chat_file, "recipe=tiny_mtp")
+    final = run(cfg).final_dir
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == ["MiMoForCausalLM"]
+    report = json.loads((tmp_path / "tiny_mtp" / "eval" / "results.json").read_text())
+    assert "tiny_mtp" in {r["method"] for r in report["results"]} and report["lossless"] is True
+    spec = SpeculativeConfig.parse({"method": "mtp", "model": str(final)})
+    assert spec.num_speculative_tokens == 1
+    assert greedy_lossless(train_target, {"method": "mtp", "model": str(final),
+                                          "num_speculative_tokens": 3}, [[5, 6, 7, 8]])

@@ -23,6 +23,7 @@ from infer.tracking import NoopLogger
 
 VOCAB = 96  # tests/infer/conftest.py save_tiny_llama
 MAX_TOKENS = 12
+SCRIPTED = "scripted/medusa"  # a hub-id-shaped model name: never read (ScriptedProposer)
 PROMPTS = [[random.Random(i).randrange(VOCAB) for _ in range(5 + i)] for i in range(3)]
 
 
@@ -65,12 +66,12 @@ class ScriptedProposer(Proposer):
 
 @pytest.fixture
 def scripted(monkeypatch, tiny_target):
-    """Registers ScriptedProposer as method "mtp" (a schema-valid method name this engine does
-    not serve) in a copy of the registry, with greedy references from autoregressive decoding."""
+    """Registers ScriptedProposer as method "medusa" (a schema-valid method name this engine does
+    not serve; its ``model`` is never loaded) in a copy of the registry, with greedy references from autoregressive decoding."""
     base.PROPOSERS.load_all()
     monkeypatch.setattr(base.PROPOSERS, "_classes", dict(base.PROPOSERS._classes))
-    base.PROPOSERS.unregister("mtp")
-    base.PROPOSERS.register("mtp")(ScriptedProposer)
+    base.PROPOSERS.unregister("medusa")
+    base.PROPOSERS.register("medusa")(ScriptedProposer)
     llm = LLM(tiny_target, max_num_seqs=4, device="cpu")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     monkeypatch.setattr(ScriptedProposer, "references",
@@ -99,7 +100,7 @@ def test_scripted_metrics_outputs_and_logging(scripted, tiny_target, tmp_path):
     # emitting 3, 3, 3, 2 tokens. So 4 drafts, 10 draft tokens, 7 accepted, position counts
     # [4, 3, 0]: acceptance length 1 + 7/4, rate 7/10, per-position [1, 3/4, 0].
     logger = RecordingLogger()
-    configs = expand_matrix([{"name": "scripted", "method": "mtp"}], ks=[3], batch_sizes=[1, 2])
+    configs = expand_matrix([{"name": "scripted", "method": "medusa", "model": SCRIPTED}], ks=[3], batch_sizes=[1, 2])
     report = run_harness(tiny_target, configs, PROMPTS, max_tokens=MAX_TOKENS,
                          output_dir=tmp_path, logger=logger, device="cpu")
     n = len(PROMPTS)
@@ -157,7 +158,7 @@ def test_scripted_metrics_outputs_and_logging(scripted, tiny_target, tmp_path):
 def test_lossless_mismatch_is_reported(scripted, tiny_target, tmp_path, caplog):
     # synthetic acceptance at rate 1 accepts every draft, and every draft here is wrong
     scripted.correct = 0
-    spec = {"name": "broken", "method": "mtp", "rejection_sample_method": "synthetic",
+    spec = {"name": "broken", "method": "medusa", "model": SCRIPTED, "rejection_sample_method": "synthetic",
             "synthetic_acceptance_rate": 1.0}
     with caplog.at_level(logging.ERROR, logger="infer.eval.harness"):
         report = run_harness(tiny_target, {"methods": [spec], "ks": [2],

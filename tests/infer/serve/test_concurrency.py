@@ -136,9 +136,11 @@ def test_disconnect_frees_the_slot(long_target, serve, streamed):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         if streamed:
             with http.stream("POST", "/v1/completions", json=long) as r:
-                next(r.iter_lines())  # it runs
+                lines = r.iter_lines()  # kept: a collected line iterator closes the connection
+                next(lines)  # it runs
                 assert http.get("/health").status_code == 200
                 assert llm.num_running == 1
+                lines.close()  # the client goes away
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/completions", json=long, timeout=1.0)  # gives up, disconnects
