@@ -76,6 +76,20 @@ def share(owner: torch.nn.Module, name: str, module: torch.nn.Module | None) -> 
     object.__setattr__(owner, name, module)
 
 
+def share_target_heads(owner: torch.nn.Module, target: torch.nn.Module, cfg: ModelConfig,
+                       what: str) -> None:
+    """``owner`` shares ``target``'s embedding and LM head (:func:`share`) after checking that
+    ``target`` has the hidden size and vocabulary ``cfg`` was built for; ``what`` names the
+    drafter in the error (a drafter made for another model fails here, not in a matmul)."""
+    hidden, vocab = target.embed_tokens.weight.shape[1], target.lm_head.weight.shape[0]
+    if (hidden, vocab) != (cfg.hidden_size, cfg.vocab_size):
+        raise FileFormatError(f"{what} expects a target with hidden_size {cfg.hidden_size} and "
+                              f"vocab_size {cfg.vocab_size}; the target has {hidden} and {vocab}: "
+                              "it was made for another model")
+    share(owner, "embed_tokens", target.embed_tokens)
+    share(owner, "lm_head", target.lm_head)
+
+
 class StepKV:
     """Append-only keys/values across training-time-test steps (duck-types ``CacheStep``).
 

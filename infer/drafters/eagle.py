@@ -40,8 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from infer.drafters.common import (PairDrafter, StepKV, gather_rows, hf_layer_config,
-                                   read_checkpoint, share, write_checkpoint)
-from infer.errors import FileFormatError
+                                   read_checkpoint, share, share_target_heads, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.llama import DecoderLayer, ModelConfig
@@ -133,14 +132,7 @@ class EagleDrafter(PairDrafter):
 
     def attach_target(self, target: nn.Module) -> None:
         """Share the target's ``embed_tokens`` and ``lm_head`` (frozen, never saved)."""
-        hidden, vocab = target.embed_tokens.weight.shape[1], target.lm_head.weight.shape[0]
-        lc = self.layer_config
-        if (hidden, vocab) != (lc.hidden_size, lc.vocab_size):
-            raise FileFormatError(f"EAGLE head expects a target with hidden_size {lc.hidden_size} "
-                                  f"and vocab_size {lc.vocab_size}; the target has {hidden} and "
-                                  f"{vocab}: the head was trained for another model")
-        share(self, "embed_tokens", target.embed_tokens)
-        share(self, "lm_head", target.lm_head)
+        share_target_heads(self, target, self.layer_config, "EAGLE head")
 
     def _need_target(self) -> None:
         if self.embed_tokens is None or self.lm_head is None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import PairDrafter, StepKV, gather_rows, share
+from infer.drafters.common import PairDrafter, StepKV, gather_rows, share, share_target_heads
 from infer.errors import FileFormatError
 from infer.files import check_tensors, open_safetensors, read_json
 from infer.kv_cache import CacheStep
@@ -91,14 +91,7 @@ class MTPDrafter(PairDrafter):
 
     def attach_target(self, target: nn.Module) -> None:
         """Share the target's ``embed_tokens`` and ``lm_head`` (frozen, never saved here)."""
-        hidden, vocab = target.embed_tokens.weight.shape[1], target.lm_head.weight.shape[0]
-        cfg = self.target_config
-        if (hidden, vocab) != (cfg.hidden_size, cfg.vocab_size):
-            raise FileFormatError(f"MTP layers expect hidden_size {cfg.hidden_size} and "
-                                  f"vocab_size {cfg.vocab_size}; the target has {hidden} and "
-                                  f"{vocab}")
-        share(self, "embed_tokens", target.embed_tokens)
-        share(self, "lm_head", target.lm_head)
+        share_target_heads(self, target, self.target_config, "MTP layer")
 
     def prepare(self, feature: Tensor) -> Tensor:
         """The target feature (pre-final-norm residual stream) as the layer takes it: as is."""

@@ -29,23 +29,9 @@ from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 
 from ..conftest import copy_model, save_tiny_mimo
+from .test_eagle3_vllm_reference import rms, rope
 
 TOL = 1e-5
-
-
-def rms(x, w, eps):
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-
-def rope(x, pos, theta):
-    """Neox-style rotary embedding: ``x [T, heads, d]`` at positions ``pos [T]``."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = pos.float()[:, None] * inv[None]  # [T, d/2]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class VllmMiMoMTP:
