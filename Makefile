@@ -10,7 +10,7 @@ TORCH_DEVICE ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv torch install dev demo demo-parallel test bench clean
+.PHONY: venv torch install dev demo demo-parallel test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ dev: $(VENV)/.installed-dev
 
 demo: install
 	$(PY) train.py
+
+# the GPU verdict in one command (scripts/gpu_check.py): CUDA tests, decode vs transformers and
+# the roofline at 1B / 8B shapes, draft step costs, Triton sampler, a training step; appends a
+# dated section to docs/benchmarks.md. Without a GPU it runs at tiny shapes on the CPU.
+gpu-check: dev
+	$(PY) scripts/gpu_check.py --record
 
 # the one-forward drafters on the embedded target (P-EAGLE, DFlash), a few minutes each
 demo-parallel: install
