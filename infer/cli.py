@@ -181,7 +181,9 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
         report = run_harness(model, configs, prompts, max_tokens=ev.max_tokens, output_dir=out,
                              logger=logger, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                              max_model_len=cfg.max_model_len, ignore_eos=ev.ignore_eos,
-                             warmup=ev.warmup, num_threads=cfg.num_threads)
+                             warmup=ev.warmup, num_threads=cfg.num_threads,
+                             engine=str(ev.engine.value), vllm_python=ev.vllm_python,
+                             tensor_parallel_size=ev.tensor_parallel_size)
     finally:
         logger.finish()
     print(render_markdown(report))

@@ -39,6 +39,11 @@ class LoggerKind(StrChoice):
     none = "none"
 
 
+class EvalEngine(StrChoice):
+    draftsmith = "draftsmith"
+    vllm = "vllm"
+
+
 class LogLevel(StrChoice):
     critical = "critical"
     error = "error"
@@ -108,6 +113,14 @@ class EvalConfig:
     """Generate max_tokens per prompt even past EOS."""
     warmup: bool = True
     """Untimed warm-up before each timed run (on CUDA: the whole run, to capture graphs)."""
+    engine: EvalEngine = EvalEngine.draftsmith
+    """draftsmith: this engine; vllm: every configuration on vLLM (targets beyond one device,
+    or the deployment engine's numbers; infer/eval/vllm_engine.py)."""
+    vllm_python: Optional[str] = None
+    """engine=vllm: the Python of an environment with vLLM, driven as a subprocess; None: vLLM
+    importable in this one."""
+    tensor_parallel_size: int = 1
+    """engine=vllm: GPUs the target is split across."""
     output_dir: Optional[str] = None
     """Where results go; None: outputs/eval/<timestamp> (infer.py), <run_dir>/eval (train.py)."""
     logger: LoggerKind = LoggerKind.none
@@ -257,6 +270,8 @@ _EVAL_RULES = {
     "dataset": _opt_str, "dataset_split": check_str, "dataset_subset": _opt_str,
     "chat": partial(check_bool, optional=True), "chat_template_kwargs": _check_mapping,
     "ignore_eos": check_bool, "warmup": check_bool, "output_dir": _opt_str,
+    "engine": partial(check_choice, choices=EvalEngine), "vllm_python": _opt_str,
+    "tensor_parallel_size": partial(check_int, minimum=1),
     "logger": partial(check_choice, choices=LoggerKind), "wandb_project": check_str,
     "wandb_run_name": _opt_str}
 _SERVE_RULES = {

@@ -47,6 +47,10 @@ class NotWritableError(UserError, PermissionError):
     """An output location cannot be written; found before any work starts."""
 
 
+class NoSpaceError(UserError, OSError):
+    """What a run would write does not fit on the disk it targets; found before writing it."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The run was stopped by a signal after saving what it had (the message says where)."""
 

@@ -338,6 +338,10 @@ class TrainConfig:
     """Experiment tracking."""
     eval: EvalConfig = field(default_factory=_default_eval)
     """End-of-training acceptance harness (the trained drafter beside eval.methods)."""
+    plan: bool = False
+    """Print what the run will cost (tokens, steps, offline-cache bytes, target GPU memory per
+    rank; train/plan.py) and exit without training: read before hours on a big target are
+    spent. Reads the target's config.json only; refuses an offline cache the disk cannot hold."""
 
     @property
     def run_dir(self) -> Path:
@@ -440,6 +444,7 @@ _SECTION_RULES = {
                "mode": _choice(WandbMode, True)},
 }
 _TOP_RULES = {"name": check_str, "output_dir": check_str, "seed": _seed, "eval": _eval,
+              "plan": _flag,
               **{name: partial(_nested, name=name) for name in _SECTION_RULES}}
 
 

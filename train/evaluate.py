@@ -88,7 +88,9 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
                          eval_prompts(cfg, target_dir), max_tokens=ev.max_tokens,
                          output_dir=out, logger=logger, device=device, seed=cfg.seed,
                          ignore_eos=ev.ignore_eos, warmup=ev.warmup, step=step, prefix="eval",
-                         num_threads=cfg.trainer.num_threads)
+                         num_threads=cfg.trainer.num_threads, engine=str(ev.engine.value),
+                         vllm_python=ev.vllm_python,
+                         tensor_parallel_size=ev.tensor_parallel_size)
     print(summary(report))
     print(f"acceptance report: {out}/results.md")
     return report

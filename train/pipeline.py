@@ -33,6 +33,7 @@ from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset
 from train.features import FeatureSource, FrozenTarget, make_feature_source
 from train.objectives.base import OBJECTIVES, Objective, Stage, StageData
+from train.plan import RunPlan, check_offline_cache, run_plan
 from train.served_eval import ServedEval
 from train.tiny.examples import build_default_dataset
 from train.vocab import DraftVocab, build_draft_vocab
@@ -58,8 +59,9 @@ RESUME_NOTE = ("finished work is kept (regenerated chunks, feature-cache shards,
                "rerun the same command to resume")
 
 
-def run(cfg: TrainConfig) -> RunResult:
-    """``python train.py``: every stage, then the acceptance report (see the module doc).
+def run(cfg: TrainConfig) -> RunResult | RunPlan:
+    """``python train.py``: every stage, then the acceptance report (see the module doc);
+    with ``plan=true`` only the cost estimate (train/plan.py): nothing is loaded or written.
 
     The output folders are checked for writability first. SIGINT / SIGTERM raise
     ``infer.errors.Interrupted`` (exit 130 / 143 at the entry point): at once outside the
@@ -67,6 +69,8 @@ def run(cfg: TrainConfig) -> RunResult:
     progress are removed as the exception unwinds), and after checkpointing the current step
     inside it (train/trainer.py)."""
     validate(cfg)
+    if cfg.plan:
+        return run_plan(cfg)
     check_outputs(cfg)
     with raise_on_signals(RESUME_NOTE):
         return _run(cfg)
@@ -244,11 +248,16 @@ def stage_rows(cfg: TrainConfig, stage: Stage, prepared: PreparedData,
 
 def feature_source(cfg: TrainConfig, target: FrozenTarget, objective: Objective,
                    rows: datasets.Dataset, stage: Stage, state) -> FeatureSource:
-    """The stage's rows with the objective's target features. Offline, the target model is
-    in memory only while a cache is filled (training then needs only the heads)."""
+    """The stage's rows with the objective's target features. Offline, the cache of these
+    exact rows must fit on its disk (checked before the first shard: train/plan.py), and the
+    target model is in memory only while it is filled (training then needs only the heads)."""
     base = cfg.features.cache_dir or cfg.run_dir / "features"
     cache_dir = base if stage.name == "main" else f"{base}_{stage.name}"
-    source = make_feature_source(cfg.features, target, rows, objective.feature_spec(), cache_dir,
+    spec, f = objective.feature_spec(), cfg.features
+    if f.mode == FeatureMode.offline and spec.needs_target and cfg.data.pack:
+        check_offline_cache(cache_dir, len(rows), cfg.data.max_length, spec,
+                            load_config(target.dir).hidden_size, f.dtype, f.rows_per_shard)
+    source = make_feature_source(cfg.features, target, rows, spec, cache_dir,
                                  rank=state.process_index, world_size=state.num_processes,
                                  barrier=state.wait_for_everyone)
     if cfg.features.mode == FeatureMode.offline:

@@ -37,12 +37,13 @@ import torch
 
 from infer.engine import LLM
 from infer.eval.advisor import advise, predicted_speedup
+from infer.eval.vllm_engine import VllmEngine, cpu_defaults, for_vllm
 from infer.eval.machine import CpuMonitor, CpuWindow, machine_settings
 from infer.eval.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
 from infer.eval.results import Baseline, ConfigResult, HarnessReport
 from infer.metrics import SpecMetrics
 from infer.proposers.base import PROPOSERS, proposer_class
-from infer.request import RequestOutput
+from infer.request import RequestOutput, make_requests
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
 from infer.target import Target
@@ -129,7 +130,7 @@ class _Run:
     tokens: int
     seconds: float
     errors: int
-    timers: EngineTimers
+    timers: EngineTimers | None  # None: vLLM (no per-step timings)
     device: str
     cpu: CpuWindow  # what else the machine did meanwhile
 
@@ -188,6 +189,17 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
                 seconds, sum(o.error is not None for o in outs), timers, device, cpu.window)
 
 
+def _measure_vllm(vllm: VllmEngine, spec: SpeculativeConfig | None, prompt_ids: list,
+                  params: SamplingParams, batch_size: int, warmup: bool) -> _Run:
+    """The same run on vLLM (infer/eval/vllm_engine.py): outputs, counters, wall time."""
+    res = vllm.run(for_vllm(spec) if spec else None, prompt_ids,
+                   temperature=params.temperature, max_tokens=params.max_tokens,
+                   ignore_eos=params.ignore_eos, batch_size=batch_size, warmup=warmup)
+    tokens = sum(len(t) for t in res.token_ids)
+    return _Run(res.token_ids, res.metrics, tokens, res.seconds, 0, None, "vllm",
+                CpuWindow(res.seconds, 0.0, None))
+
+
 # ---- the harness ----------------------------------------------------------------------------
 
 @dataclass
@@ -200,7 +212,15 @@ class _Matrix:
     max_tokens: int
     ignore_eos: bool
     warmup: bool
+    vllm: VllmEngine | None = None  # eval.engine=vllm: every run goes there instead
     baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = field(default_factory=dict)
+
+    def measure(self, spec: SpeculativeConfig | None, temperature: float, batch: int) -> _Run:
+        params = self.params(temperature)
+        if self.vllm is None:
+            return _measure(self.engine, spec, self.prompts, params, batch, self.warmup)
+        ids = [r.prompt_ids for r in make_requests(self.prompts, params, self.engine.target)]
+        return _measure_vllm(self.vllm, spec, ids, params, batch, self.warmup)
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, max_tokens=self.max_tokens,
@@ -208,10 +228,11 @@ class _Matrix:
 
     def baseline(self, batch: int, temp: float) -> tuple[Baseline, _Run]:
         if (batch, temp) not in self.baselines:
-            run = _measure(self.engine, None, self.prompts, self.params(temp), batch,
-                           self.warmup)
-            base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, run.timers.step.calls,
-                            run.timers.step.median, run.cpu.other_cores)
+            run = self.measure(None, temp, batch)
+            steps, c_ar = ((run.timers.step.calls, run.timers.step.median) if run.timers
+                           else (0, 0.0))
+            base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, steps, c_ar,
+                            run.cpu.other_cores)
             log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
             self.baselines[(batch, temp)] = (base, run)
         return self.baselines[(batch, temp)]
@@ -219,8 +240,7 @@ class _Matrix:
     def row(self, cfg: HarnessConfig) -> ConfigResult:
         base, ar = self.baseline(cfg.batch_size, cfg.temperature)
         spec = cfg.spec()
-        run = _measure(self.engine, spec, self.prompts, self.params(cfg.temperature),
-                       cfg.batch_size, self.warmup)
+        run = self.measure(spec, cfg.temperature, cfg.batch_size)
         row = _result(cfg, spec, run, base, ar)
         log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
                  row.method, row.k, row.temperature, row.batch_size, row.acceptance_length,
@@ -229,7 +249,7 @@ class _Matrix:
 
     @property
     def device(self) -> str:
-        return str(self.engine.device)
+        return "vllm" if self.vllm is not None else str(self.engine.device)
 
 
 def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping[str, Any],
@@ -238,14 +258,19 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                 device: str = "auto", dtype: str = "auto", seed: int = 0,
                 max_model_len: int | None = None, ignore_eos: bool = False, warmup: bool = True,
                 step: int | None = None, prefix: str = "eval",
-                num_threads: int | None = None) -> HarnessReport:
+                num_threads: int | None = None, engine: str = "draftsmith",
+                vllm_python: str | None = None,
+                tensor_parallel_size: int = 1) -> HarnessReport:
     """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
 
     ``target``: a model directory (loaded once with device / dtype / max_model_len) or a loaded
     :class:`~infer.target.Target` (which fixed those). Writes results.json / results.md / plots
     into ``output_dir`` when given; logs per-config acceptance scalars, the results table and the
     plots to ``logger`` at ``step`` under ``prefix``. ``num_threads``: CPU thread policy
-    (infer/threads.py; None: one per free core). Returns the report.
+    (infer/threads.py; None: one per free core). ``engine="vllm"`` runs every configuration
+    on vLLM instead (infer/eval/vllm_engine.py: ``vllm_python`` None = vLLM importable here,
+    ``tensor_parallel_size`` for targets beyond one device); the target is then still loaded
+    here once, for its tokenizer. Returns the report.
     """
     configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
     prompts = list(prompts)
@@ -255,21 +280,29 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         cfg.spec()
     check_int("max_tokens", max_tokens, _WHERE, minimum=1)
     logger = logger or NoopLogger()
-    engine = LLM(target, seed=seed, max_num_seqs=1, device=device, dtype=dtype,
-                 max_model_len=max_model_len, num_threads=num_threads)  # forked per run
-    matrix = _Matrix(engine, prompts, max_tokens, ignore_eos, warmup)
+    engine_llm = LLM(target, seed=seed, max_num_seqs=1, device=device, dtype=dtype,
+                     max_model_len=max_model_len, num_threads=num_threads)  # forked per run
+    vllm = None
+    if engine == "vllm":
+        vllm = VllmEngine(engine_llm.target.path, vllm_python, tensor_parallel_size,
+                          max_model_len, dtype, seed, cpu_defaults(vllm_python))
+    elif engine != "draftsmith":
+        raise config_error("engine", engine, "'draftsmith' or 'vllm'", _WHERE)
+    matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm)
     results = []
     for cfg in configs:
         results.append(matrix.row(cfg))
         logger.log_acceptance(f"{prefix}/{config_id(results[-1])}", asdict(results[-1]),
                               step=step)
-    advisor, recommended = advise(results)
+    # vLLM exposes no step costs: no cost model, no k advice for its rows
+    advisor, recommended = advise(results) if vllm is None else ([], {})
     report = HarnessReport(
-        target=engine.target.path,
+        target=engine_llm.target.path,
         baselines=[b for b, _ in matrix.baselines.values()], results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         settings={"max_tokens": max_tokens, "num_prompts": len(prompts), "ignore_eos": ignore_eos,
                   "device": matrix.device, "dtype": dtype, "seed": seed, "warmup": warmup,
+                  "engine": engine, "tensor_parallel_size": tensor_parallel_size,
                   "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                   "machine": machine_settings()})
     from infer.eval.report import log_report, write_report  # matplotlib: only when needed
@@ -286,10 +319,13 @@ def config_id(row: ConfigResult | HarnessConfig) -> str:
     return f"{row.method}/k{row.k}/T{temp}/b{row.batch_size}"
 
 
-def _step_costs(t: EngineTimers) -> tuple[float, float]:
+def _step_costs(t: EngineTimers | None) -> tuple[float, float]:
     """Median seconds per step of drafting and of the rest of the step (verify forward,
     rejection sampling, bookkeeping). Medians, paired per step: robust to the scheduling
-    hiccups of a shared machine, which would otherwise dominate a mean."""
+    hiccups of a shared machine, which would otherwise dominate a mean. (0, 0) without
+    timers (vLLM runs)."""
+    if t is None:
+        return 0.0, 0.0
     steps, drafts = t.step.durations, t.draft.durations
     if len(drafts) != len(steps):  # not one propose per step: fall back to means
         c_draft = t.draft.seconds / max(t.step.calls, 1)
@@ -304,7 +340,8 @@ def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, base: Baseli
     m, t = run.metrics, run.timers
     per_position = (m.per_position_rates + [0.0] * cfg.k)[: cfg.k]
     per_pos_counts = (m.num_accepted_tokens_per_pos + [0] * cfg.k)[: cfg.k]
-    request_steps = max(t.verify.rows, 1)
+    # vLLM: no step count; every step of a request drafts (its proposers always return k)
+    request_steps = max(t.verify.rows if t else m.num_drafts, 1)
     coverage = m.num_drafts / request_steps
     c_ar = base.c_ar_s
     c_draft, c_verify = _step_costs(t)
@@ -328,9 +365,9 @@ def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, base: Baseli
         predicted_speedup=predicted_speedup(coverage * sum(per_position), cost_draft,
                                             cost_verify),
         tokens_per_step=(run.tokens - len(run.outputs) + run.errors) / request_steps
-        if t.verify.rows else 0.0,
+        if t is None or t.verify.rows else 0.0,
         cost_draft=cost_draft, cost_verify=cost_verify, c_ar_s=base.c_ar_s,
-        c_step_s=t.step.median, c_draft_s=c_draft, c_verify_s=c_verify,
-        c_verify_forward_s=t.verify.median, steps=t.step.calls,
+        c_step_s=t.step.median if t else 0.0, c_draft_s=c_draft, c_verify_s=c_verify,
+        c_verify_forward_s=t.verify.median if t else 0.0, steps=t.step.calls if t else 0,
         draft_sample_method=spec.draft_sample_method, other_cores=run.cpu.other_cores,
         lossless=lossless, mismatched_prompts=mismatched, num_errors=run.errors)

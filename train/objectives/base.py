@@ -107,6 +107,13 @@ class Objective(nn.Module, ABC):
     def feature_spec(self) -> FeatureSpec:
         """Which target features ``forward`` reads from the batch (``aux`` / ``hidden``)."""
 
+    @classmethod
+    def planned_feature_spec(cls, cfg: Any, target: ModelConfig) -> FeatureSpec | None:
+        """What ``feature_spec()`` will return for ``cfg`` on a target shaped ``target``, from
+        the configs alone: ``plan=true`` (train/plan.py) sizes the features before any weight
+        is read or drafter built. None: this method cannot tell (the plan says so)."""
+        return None
+
     def stages(self) -> list[Stage]:
         """The training stages, in order (one plain stage unless the method needs more)."""
         return [Stage()]

@@ -46,7 +46,8 @@ from torch import Tensor
 
 from infer.drafters.common import write_checkpoint
 from infer.drafters.dflash import ContextKV, DFlashConfig, DFlashDrafter, default_aux_layer_ids
-from infer.files import check_tensors
+from infer.files import check_tensors, read_json
+from infer.models.loader import resolve_model_dir
 from infer.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
 from train.objectives.eagle3 import full_vocab_argmax
@@ -149,6 +150,15 @@ class DFlashObjective(Objective):
 
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True)
+
+    @classmethod
+    def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
+        d, init = cfg.drafter, None
+        if d.init_from and not d.aux_layer_ids:  # its config.json only, no weights
+            path = resolve_model_dir(d.init_from, "drafter.init_from") / "config.json"
+            init = DFlashConfig.from_dict(read_json(path)).aux_layer_ids
+        ids = d.aux_layer_ids or init or default_aux_layer_ids(target.num_layers, d.num_layers)
+        return FeatureSpec(aux_layer_ids=tuple(sorted(ids)), hidden=True)
 
     # ---- forward -----------------------------------------------------------------------------
 

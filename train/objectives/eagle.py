@@ -63,6 +63,10 @@ class EagleObjective(TTTObjective):
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(hidden=True)
 
+    @classmethod
+    def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
+        return FeatureSpec(hidden=True)
+
     # ---- TTT hooks ---------------------------------------------------------------------------
 
     def features(self, batch: dict[str, Tensor]) -> Tensor:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.common import write_checkpoint
-from infer.files import check_tensors
+from infer.files import check_tensors, read_json
+from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
 from train.config import LmHeadInit
@@ -75,6 +76,14 @@ def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[in
     return sorted(ids)
 
 
+def init_aux_layer_ids(init_from: str | None) -> list[int] | None:
+    """The aux ids in ``drafter.init_from``'s config.json (no weights read); None without one."""
+    if not init_from:
+        return None
+    path = resolve_model_dir(init_from, "drafter.init_from") / "config.json"
+    return Eagle3Config.from_dict(read_json(path)).eagle_aux_hidden_state_layer_ids
+
+
 @OBJECTIVES.register("eagle3")
 class Eagle3Objective(TTTObjective):
     """EAGLE-3 head + TTT unroll (module doc); ``self.drafter`` is an ``Eagle3Drafter``."""
@@ -108,6 +117,12 @@ class Eagle3Objective(TTTObjective):
 
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True)
+
+    @classmethod
+    def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
+        ids = resolve_aux_layer_ids(cfg.drafter.aux_layer_ids, target.num_layers,
+                                    init_aux_layer_ids(cfg.drafter.init_from))
+        return FeatureSpec(aux_layer_ids=tuple(ids), hidden=True)
 
     def serving_notes(self) -> str:
         from train.export import vllm_report

@@ -108,6 +108,10 @@ class MLPSpeculatorObjective(Objective):
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(hidden=True)
 
+    @classmethod
+    def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
+        return FeatureSpec(hidden=True)
+
     def stages(self) -> list[Stage]:
         """IBM's recipe (fms-fsdp): stage 1 on the dataset; with ``objective.stage2_steps``,
         stage 2 on the same prompts answered by the target itself, continuing stage 1's

@@ -58,6 +58,10 @@ class MTPObjective(TTTObjective):
     def feature_spec(self) -> FeatureSpec:
         return FeatureSpec(aux_layer_ids=(self.heads.config.num_layers,))
 
+    @classmethod
+    def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
+        return FeatureSpec(aux_layer_ids=(target.num_layers,))
+
     # ---- TTT hooks ---------------------------------------------------------------------------
 
     def features(self, batch: dict[str, Tensor]) -> Tensor:

@@ -177,6 +177,10 @@ class PardObjective(Objective):
         return FeatureSpec(hidden=self.kd_weight > 0)
 
     @classmethod
+    def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
+        return FeatureSpec(hidden=float(cfg.objective.kd_weight) > 0)
+
+    @classmethod
     def served_config(cls, path: str | Path) -> dict:
         return {"method": "draft_model", "model": str(path), "parallel_drafting": True}
 

@@ -49,8 +49,9 @@ from infer.drafters.peagle import PEagleConfig, PEagleDrafter
 from infer.files import read_json
 from infer.models.loader import resolve_model_dir
 from infer.spec_config import checkpoint_type
-from train.objectives.base import OBJECTIVES, LossOutput
-from train.objectives.eagle3 import Eagle3Objective, load_init
+from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput
+from train.objectives.eagle3 import (Eagle3Objective, init_aux_layer_ids, load_init,
+                                     resolve_aux_layer_ids)
 from train.objectives.losses import forward_kl, masked_mean
 from train.objectives.pard import chain_accuracy, choose_mask_token, cod_selection, copy_layout
 from train.objectives.ttt import shift_left
@@ -121,6 +122,13 @@ class PEagleObjective(Eagle3Objective):
         if init_mask is not None:
             with torch.no_grad():
                 self.drafter.mask_hidden.copy_(init_mask[0].view_as(self.drafter.mask_hidden))
+
+    @classmethod
+    def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
+        ids = cfg.drafter.aux_layer_ids  # as __init__: the configured ids win over init_from's
+        if ids is None:
+            ids = init_aux_layer_ids(cfg.drafter.init_from)
+        return FeatureSpec(tuple(resolve_aux_layer_ids(ids, target.num_layers)), hidden=True)
 
     @classmethod
     def served_config(cls, path: str | Path) -> dict:

