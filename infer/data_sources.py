@@ -23,6 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from infer.errors import FileFormatError, MissingFileError
+
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
                  ".csv": "csv"}
 RECORD_LIST_KEYS = ("data", "rows", "examples", "train")  # after the split's own name
@@ -42,11 +44,11 @@ def load_source(source: str | Path, split: str = "train", *, subset: str | None 
     if path.is_file():
         return _load_file(path, split, cache_dir)
     if text.startswith((".", "/", "~")) or path.suffix in FILE_BUILDERS:
-        raise FileNotFoundError(f"dataset path {text!r} does not exist")
+        raise MissingFileError(f"dataset path {text!r} does not exist")
     try:
         return datasets.load_dataset(text, subset, split=split, cache_dir=cache_dir)
     except Exception as e:  # noqa: BLE001 - re-raised with the source named
-        raise ValueError(f"{text!r} is not a local path and could not be loaded as a Hub "
+        raise FileFormatError(f"{text!r} is not a local path and could not be loaded as a Hub "
                          f"dataset (split={split!r}): {type(e).__name__}: {e}") from e
 
 
@@ -57,12 +59,12 @@ def _load_folder(path: Path, split: str, subset: str | None, cache_dir: str | No
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(f"dataset {str(path)!r} has splits {sorted(loaded)}; "
+                raise FileFormatError(f"dataset {str(path)!r} has splits {sorted(loaded)}; "
                                  f"split={split!r} is not one of them")
             loaded = loaded[split]
         return loaded
     if not any(p.suffix in FILE_BUILDERS for p in path.rglob("*")):
-        raise ValueError(f"dataset folder {str(path)!r} holds no {_supported()} files and is not "
+        raise FileFormatError(f"dataset folder {str(path)!r} holds no {_supported()} files and is not "
                          "a save_to_disk folder")
     return datasets.load_dataset(str(path), subset, split=split, cache_dir=cache_dir)
 
@@ -72,7 +74,7 @@ def _load_file(path: Path, split: str, cache_dir: str | None) -> Any:
 
     builder = FILE_BUILDERS.get(path.suffix)
     if builder is None:
-        raise ValueError(f"dataset file {str(path)!r} has an unsupported extension "
+        raise FileFormatError(f"dataset file {str(path)!r} has an unsupported extension "
                          f"{path.suffix!r}; expected {_supported()} or a folder")
     kwargs = {}
     if path.suffix == ".json":
@@ -85,7 +87,7 @@ def _load_file(path: Path, split: str, cache_dir: str | None) -> Any:
     except Exception as e:  # noqa: BLE001 - name the file and, for jsonl, the bad line
         if path.suffix == ".jsonl":
             _check_jsonl(path)
-        raise ValueError(f"{path}: could not be read as {builder} ({type(e).__name__}: "
+        raise FileFormatError(f"{path}: could not be read as {builder} ({type(e).__name__}: "
                          f"{e})") from e
 
 
@@ -104,7 +106,7 @@ def _record_list_key(path: Path, split: str) -> str | None:
         value = obj.get(key)
         if isinstance(value, list) and value and isinstance(value[0], dict):
             return key
-    raise ValueError(f"{path}: expected a list of records or an object with a "
+    raise FileFormatError(f"{path}: expected a list of records or an object with a "
                      f"{', '.join(repr(k) for k in (split, *RECORD_LIST_KEYS))} list of records; "
                      f"got an object with keys {sorted(obj)[:8]}")
 
@@ -118,7 +120,7 @@ def _check_jsonl(path: Path) -> None:
             try:
                 json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+                raise FileFormatError(f"{path}:{n}: not valid JSON ({e})") from None
 
 
 def _supported() -> str:

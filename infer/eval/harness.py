@@ -340,8 +340,10 @@ def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, base: Baseli
     m, t = run.metrics, run.timers
     per_position = (m.per_position_rates + [0.0] * cfg.k)[: cfg.k]
     per_pos_counts = (m.num_accepted_tokens_per_pos + [0] * cfg.k)[: cfg.k]
-    # vLLM: no step count; every step of a request drafts (its proposers always return k)
-    request_steps = max(t.verify.rows if t else m.num_drafts, 1)
+    # vLLM: no step count; each request-step emits its accepted drafts plus one token, after
+    # the first token of the prefill
+    request_steps = max(t.verify.rows if t else
+                        run.tokens - len(run.outputs) - m.num_accepted_tokens, 1)
     coverage = m.num_drafts / request_steps
     c_ar = base.c_ar_s
     c_draft, c_verify = _step_costs(t)
