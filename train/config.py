@@ -21,7 +21,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from infer.config import Dtype, EvalConfig, LoggerKind
+from infer.config import Dtype, EvalConfig, EvalEngine, LoggerKind
 from infer.config_docs import register_help_resolver
 from infer.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
                               check_int, check_list, check_str, config_error)
@@ -138,6 +138,13 @@ class RegenerateConfig:
     """Context length of the rewrite; None: the target's."""
     num_examples: Optional[int] = None
     """Regenerate only the first N examples; None: all."""
+    engine: EvalEngine = EvalEngine.draftsmith
+    """draftsmith: this engine; vllm: one vLLM kept up for the whole rewrite (targets beyond one
+    device: tensor_parallel_size; infer/eval/vllm_engine.py's VllmSession)."""
+    vllm_python: Optional[str] = None
+    """engine=vllm: the Python of an environment with vLLM; None: vLLM importable here."""
+    tensor_parallel_size: int = 1
+    """engine=vllm: GPUs the target is split across."""
 
 
 @dataclass
@@ -415,7 +422,8 @@ _SECTION_RULES = {
     "regenerate": {"enabled": _flag, "temperature": _weight, "top_p": _share, "max_tokens": _pos,
                    "batch_size": _pos, "max_model_len": partial(check_int, minimum=2,
                                                                 optional=True),
-                   "num_examples": _opt_pos},
+                   "num_examples": _opt_pos, "engine": _choice(EvalEngine),
+                   "vllm_python": _opt_str, "tensor_parallel_size": _pos},
     "features": {"mode": _choice(FeatureMode), "cache_dir": _opt_str,
                  "dtype": _choice(StorageDtype), "rows_per_shard": _pos, "batch_size": _pos},
     "drafter": {"method": check_str, "draft_vocab_size": _pos,

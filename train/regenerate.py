@@ -103,7 +103,8 @@ def inputs_fingerprint(dataset: datasets.Dataset, target_dir: str, cfg, fmt: str
             "max_model_len": cfg.max_model_len, "format": fmt, "seed": seed,
             "chunk_size": chunk_size, "rows": len(dataset),
             "rows_digest": _dataset_digest(dataset), "device": device,
-            "batch_size": int(cfg.batch_size) if batch_size_matters(cfg) else None}
+            "batch_size": int(cfg.batch_size) if batch_size_matters(cfg) else None,
+            **({"engine": "vllm"} if str(cfg.engine) == "vllm" else {})}
 
 
 def _check_fingerprint(out_dir: Path, fp: dict[str, Any]) -> None:
@@ -207,8 +208,15 @@ class Regenerator:
         if not tok.chat_template:
             raise ValueError(f"{_WHERE}: the tokenizer of {target_dir} has no chat_template; "
                              "regeneration renders prompts with it")
-        self.llm = LLM(target_dir, max_num_seqs=cfg.batch_size, max_model_len=cfg.max_model_len,
-                       seed=seed, device=device)
+        if str(cfg.engine) == "vllm":  # one vLLM for the whole rewrite
+            from infer.eval.vllm_engine import VllmSession
+
+            self.llm = VllmSession(target_dir, python=cfg.vllm_python,
+                                   max_num_seqs=cfg.batch_size, max_model_len=cfg.max_model_len,
+                                   tensor_parallel_size=cfg.tensor_parallel_size, seed=seed)
+        else:
+            self.llm = LLM(target_dir, max_num_seqs=cfg.batch_size,
+                           max_model_len=cfg.max_model_len, seed=seed, device=device)
         self.added = added_special_tokens(tok)
         self.template_kwargs = dict(template_kwargs or {})
         self.terminator = _terminator(tok, self.template_kwargs)
@@ -218,6 +226,11 @@ class Regenerator:
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                      max_tokens=cfg.max_tokens, stop_token_ids=stop)
         self.piece = 16 * cfg.batch_size  # requests per generate call (progress granularity)
+
+    def close(self) -> None:
+        """Stop a vLLM session (draftsmith's engine needs nothing)."""
+        if hasattr(self.llm, "close"):
+            self.llm.close()
 
     def prompt_ids(self, history: list[dict[str, str]]) -> list[int]:
         """Token ids exactly as ``data_formats.tokenize_messages`` tokenises the same prefix."""
@@ -312,8 +325,11 @@ def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | P
     n_chunks = -(-len(dataset) // chunk_size)
     missing = [i for i in range(n_chunks) if not _chunk_path(out_dir, i).exists()]
     if missing:
-        _generate_chunks(dataset, Regenerator(target_dir, cfg, seed, device, kwargs), out_dir,
-                         fmt, seed, progress, chunk_size, missing)
+        gen = Regenerator(target_dir, cfg, seed, device, kwargs)
+        try:
+            _generate_chunks(dataset, gen, out_dir, fmt, seed, progress, chunk_size, missing)
+        finally:
+            gen.close()
     elif progress:
         print(f"{_WHERE}: all {n_chunks} chunks already in {out_dir}", flush=True)
     return _combine(out_dir, n_chunks, dataset.features)

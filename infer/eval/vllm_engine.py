@@ -121,3 +121,87 @@ def for_vllm(spec) -> dict:
     elif method not in ("strict", "standard"):
         out["rejection_sample_method"] = method
     return out
+
+
+class VllmSession:
+    """One vLLM ``LLM`` kept up for many ``generate`` calls (regeneration with
+    ``regenerate.engine=vllm``): in this process, or a ``vllm_worker.py --session`` subprocess
+    of ``python``, one JSON line per batch each way (vLLM's own chatter goes to stderr, kept in a
+    temporary file so a full pipe never blocks it). Duck-types what the regenerator uses of
+    :class:`~infer.engine.LLM`: ``generate(prompt_ids, params)`` returning
+    :class:`~infer.request.RequestOutput` objects, ``eos_ids`` and ``generator`` (its seed is the
+    base of the per-request seeds, so a re-seeded chunk samples the same answers again)."""
+
+    def __init__(self, target: str, *, python: str | None, max_num_seqs: int,
+                 max_model_len: int | None, tensor_parallel_size: int = 1, seed: int = 0):
+        import tempfile
+
+        import torch
+
+        from infer.files import load_tokenizer
+        from infer.models.loader import load_config
+
+        VllmEngine(target, python)  # the same checks (vLLM importable / interpreter exists)
+        cfg = load_config(target)
+        tok = load_tokenizer(target, required=False)
+        extra = {tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set()
+        self.eos_ids = frozenset(cfg.eos_token_ids) | extra
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.generator = torch.Generator().manual_seed(seed)
+        settings = {"target": target, "max_num_seqs": max_num_seqs,
+                    "max_model_len": self.max_model_len, "seed": seed,
+                    "tensor_parallel_size": tensor_parallel_size,
+                    "llm_kwargs": cpu_defaults(python)}
+        self._llm = self._proc = None
+        if python is None:
+            from infer.eval.vllm_worker import build_llm
+
+            self._llm = build_llm(settings)
+            return
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen([python, str(WORKER), "--session"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self._ask(settings)
+
+    def _ask(self, obj: dict) -> dict:
+        from infer.eval.vllm_worker import MARKER
+
+        self._proc.stdin.write(json.dumps(obj) + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith(MARKER):
+                return json.loads(line.removeprefix(MARKER))
+        self._log.seek(0)
+        raise VllmRunError(f"the vLLM session ended (exit {self._proc.wait()}):\n"
+                           f"{self._log.read()[-3000:]}")
+
+    def generate(self, prompts: list[list[int]], params) -> list:
+        """Outputs for ``prompts`` (token ids) with ``params`` (SamplingParams); a prompt that
+        leaves no room under ``max_model_len`` gets an error, as in draftsmith's engine."""
+        from infer.request import CompletionOutput, RequestOutput
+
+        fits = [i for i, p in enumerate(prompts) if len(p) < self.max_model_len]
+        request = {"prompt_token_ids": [prompts[i] for i in fits],
+                   "temperature": params.temperature, "top_p": params.top_p,
+                   "max_tokens": params.max_tokens, "stop_token_ids": params.stop_token_ids,
+                   "seed": int(self.generator.initial_seed()) * 100003}
+        if self._llm is not None:
+            from infer.eval.vllm_worker import generate
+
+            out = generate(self._llm, request) if fits else {"token_ids": [],
+                                                             "finish_reasons": []}
+        else:
+            out = self._ask(request) if fits else {"token_ids": [], "finish_reasons": []}
+        done = dict(zip(fits, zip(out["token_ids"], out["finish_reasons"])))
+        return [RequestOutput(i, None, p, [CompletionOutput(0, "", done[i][0], done[i][1])],
+                              {}) if i in done else
+                RequestOutput(i, None, p, [CompletionOutput(0, "", [], "error")], {},
+                              f"prompt {i}: longer than max_model_len {self.max_model_len}")
+                for i, p in enumerate(prompts)]
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=120)
+            self._proc = None

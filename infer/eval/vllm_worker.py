@@ -47,16 +47,23 @@ def _grown(after: dict, before: dict) -> dict:
     return out
 
 
-def run_job(job: dict) -> dict:
-    """Build vLLM's LLM for ``job``, warm it up, time one ``generate`` (module doc)."""
-    from vllm import LLM, SamplingParams
+def build_llm(job: dict):
+    """vLLM's LLM with the job's settings (token ids in and out: no tokenizer)."""
+    from vllm import LLM
 
-    llm = LLM(job["target"], speculative_config=job.get("speculative_config"),
+    return LLM(job["target"], speculative_config=job.get("speculative_config"),
               tensor_parallel_size=job.get("tensor_parallel_size", 1),
               max_num_seqs=job["max_num_seqs"], max_model_len=job.get("max_model_len"),
               dtype=job.get("dtype", "auto"), seed=job.get("seed", 0), disable_log_stats=False,
               skip_tokenizer_init=True,  # token ids in and out: no tokenizer needed or used
               **job.get("llm_kwargs", {}))
+
+
+def run_job(job: dict) -> dict:
+    """Build vLLM's LLM for ``job``, warm it up, time one ``generate`` (module doc)."""
+    from vllm import SamplingParams
+
+    llm = build_llm(job)
     prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
     params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"],
                             ignore_eos=job.get("ignore_eos", False), seed=job.get("seed", 0),
@@ -73,6 +80,35 @@ def run_job(job: dict) -> dict:
             "counters": counters}
 
 
+def generate(llm, request: dict) -> dict:
+    """One batch of a session (regeneration): ``{"prompt_token_ids", "temperature", "top_p",
+    "max_tokens", "stop_token_ids", "seed"}`` -> ``{"token_ids", "finish_reasons"}``; request
+    ``i`` samples with seed ``seed + i``."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=request["temperature"], top_p=request["top_p"],
+                             max_tokens=request["max_tokens"],
+                             stop_token_ids=request["stop_token_ids"], seed=request["seed"] + i,
+                             detokenize=False)
+              for i in range(len(request["prompt_token_ids"]))]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in request["prompt_token_ids"]],
+                        params, use_tqdm=False)
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outs]}
+
+
+def serve_session() -> None:
+    """``--session``: the first stdin line builds the LLM, every later line is a
+    :func:`generate` request answered with one marked line; end of input ends it."""
+    llm = build_llm(json.loads(sys.stdin.readline()))
+    print(MARKER + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(MARKER + json.dumps(generate(llm, json.loads(line))), flush=True)
+
+
 if __name__ == "__main__":
-    result = run_job(json.loads(sys.stdin.read()))
-    print("\n" + MARKER + json.dumps(result), flush=True)  # vLLM may print after it
+    if "--session" in sys.argv:
+        serve_session()
+    else:
+        result = run_job(json.loads(sys.stdin.read()))
+        print("\n" + MARKER + json.dumps(result), flush=True)  # vLLM may print after it
