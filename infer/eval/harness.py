@@ -37,7 +37,8 @@ import torch
 
 from infer.engine import LLM
 from infer.eval.advisor import advise, predicted_speedup
-from infer.eval.vllm_engine import VllmEngine, cpu_defaults, for_vllm
+from infer.eval.vllm_engine import (VllmEngine, cpu_defaults, engine_dtype, for_vllm,
+                                     vllm_has_cuda)
 from infer.eval.machine import CpuMonitor, CpuWindow, machine_settings
 from infer.eval.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
 from infer.eval.results import Baseline, ConfigResult, HarnessReport
@@ -284,8 +285,10 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                      max_model_len=max_model_len, num_threads=num_threads)  # forked per run
     vllm = None
     if engine == "vllm":
+        cuda = vllm_has_cuda(vllm_python)
         vllm = VllmEngine(engine_llm.target.path, vllm_python, tensor_parallel_size,
-                          max_model_len, dtype, seed, cpu_defaults(vllm_python))
+                          max_model_len, engine_dtype(dtype, engine_llm.target.path, cuda), seed,
+                          cpu_defaults(cuda))
     elif engine != "draftsmith":
         raise config_error("engine", engine, "'draftsmith' or 'vllm'", _WHERE)
     matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm)

