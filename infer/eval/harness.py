@@ -283,14 +283,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     logger = logger or NoopLogger()
     engine_llm = LLM(target, seed=seed, max_num_seqs=1, device=device, dtype=dtype,
                      max_model_len=max_model_len, num_threads=num_threads)  # forked per run
-    vllm = None
-    if engine == "vllm":
-        cuda = vllm_has_cuda(vllm_python)
-        vllm = VllmEngine(engine_llm.target.path, vllm_python, tensor_parallel_size,
-                          max_model_len, engine_dtype(dtype, engine_llm.target.path, cuda), seed,
-                          cpu_defaults(cuda))
-    elif engine != "draftsmith":
-        raise config_error("engine", engine, "'draftsmith' or 'vllm'", _WHERE)
+    vllm = _vllm_engine(engine, engine_llm.target.path, vllm_python, tensor_parallel_size,
+                        max_model_len, dtype, seed)
     matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm)
     results = []
     for cfg in configs:
@@ -314,6 +308,19 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         write_report(report, output_dir)
     log_report(report, logger, step=step, prefix=prefix)
     return report
+
+
+def _vllm_engine(engine: str, target: str, python: str | None, tp: int,
+                 max_model_len: int | None, dtype: str, seed: int) -> VllmEngine | None:
+    """The vLLM runner of ``engine="vllm"`` (None for draftsmith's engine), in the dtype this
+    engine would use."""
+    if engine == "draftsmith":
+        return None
+    if engine != "vllm":
+        raise config_error("engine", engine, "'draftsmith' or 'vllm'", _WHERE)
+    cuda = vllm_has_cuda(python)
+    return VllmEngine(target, python, tp, max_model_len, engine_dtype(dtype, target, cuda), seed,
+                      cpu_defaults(cuda))
 
 
 def config_id(row: ConfigResult | HarnessConfig) -> str:
@@ -347,7 +354,8 @@ def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, base: Baseli
     # the first token of the prefill
     request_steps = max(t.verify.rows if t else
                         run.tokens - len(run.outputs) - m.num_accepted_tokens, 1)
-    coverage = m.num_drafts / request_steps
+    # (vLLM's estimate runs short by the steps whose emitted tokens max_tokens cut: capped)
+    coverage = min(m.num_drafts / request_steps, 1.0)
     c_ar = base.c_ar_s
     c_draft, c_verify = _step_costs(t)
     cost_draft, cost_verify = (c_draft / c_ar, c_verify / c_ar) if c_ar > 0 else (0.0, 0.0)
