@@ -198,6 +198,14 @@ class PairDrafter(torch.nn.Module):
     -> (logits [B, K, V], hidden [B, K, H])``; this class gives both heads the same cached
     (inference) and full-sequence (training) entry points."""
 
+    def init_shared_heads(self) -> None:
+        """Slots for the target's embedding and LM head (shared by ``attach_target``, never
+        registered) and the RoPE buffer ``init_buffers`` fills (not saved)."""
+        share(self, "embed_tokens", None)
+        share(self, "lm_head", None)
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.rope_scale = 1.0
+
     def forward(self, input_ids: Tensor, hidden: Tensor, cache, slots: Tensor | None = None, *,
                 num_tokens: Tensor | None = None, kv_len: int | None = None,
                 logits_at: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from infer.drafters.common import (PairDrafter, StepKV, gather_rows, hf_layer_config,
-                                   read_checkpoint, share, share_target_heads, write_checkpoint)
+                                   read_checkpoint, share_target_heads, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.llama import DecoderLayer, ModelConfig
@@ -121,10 +121,7 @@ class EagleDrafter(PairDrafter):
         layer = DecoderLayer(lc, 0)
         layer.input_layernorm = nn.Identity()  # EAGLE drops it: fc output goes straight in
         self.layers = nn.ModuleList([layer])
-        share(self, "embed_tokens", None)
-        share(self, "lm_head", None)
-        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
-        self.rope_scale = 1.0
+        self.init_shared_heads()
         self.init_buffers()
 
     def init_buffers(self) -> None:

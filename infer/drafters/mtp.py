@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import PairDrafter, StepKV, gather_rows, share, share_target_heads
+from infer.drafters.common import PairDrafter, StepKV, gather_rows, share_target_heads
 from infer.errors import FileFormatError
 from infer.files import check_tensors, open_safetensors, read_json
 from infer.kv_cache import CacheStep
@@ -79,10 +79,7 @@ class MTPDrafter(PairDrafter):
         self.target_config = target_config
         self.layer_config = replace(target_config, num_layers=1)  # one KV-cache layer
         self.mtp_layers = nn.ModuleList([MTPLayer(target_config) for _ in range(num_layers)])
-        share(self, "embed_tokens", None)
-        share(self, "lm_head", None)
-        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
-        self.rope_scale = 1.0
+        self.init_shared_heads()
         self.init_buffers()
 
     def init_buffers(self) -> None:
