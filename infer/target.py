@@ -58,7 +58,7 @@ class Target:
                                f"({cfg.max_position_embeddings})", _WHERE)
         tok = load_tokenizer(tokenizer or path, required=tokenizer is not None)
         device = next(model.parameters()).device
-        return cls(str(path), model, tok, frozenset(cfg.eos_token_ids) | _tokenizer_eos(tok),
+        return cls(str(path), model, tok, frozenset(cfg.eos_token_ids) | tokenizer_eos(tok),
                    device, limit)
 
     @property
@@ -83,6 +83,8 @@ def _resolve_dtype(dtype: str, device: torch.device) -> str | torch.dtype:
     return DTYPES[dtype]
 
 
-def _tokenizer_eos(tokenizer) -> frozenset[int]:
+def tokenizer_eos(tokenizer) -> frozenset[int]:
+    """The tokenizer's EOS id (a set: empty without a tokenizer or an EOS), added to the
+    config's EOS ids wherever a target's stop tokens are collected."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     return frozenset() if eos is None else frozenset([eos])

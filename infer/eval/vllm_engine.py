@@ -158,13 +158,13 @@ class VllmSession:
 
         from infer.files import load_tokenizer
         from infer.models.loader import load_config
+        from infer.target import tokenizer_eos
 
         VllmEngine(target, python)  # the same checks (vLLM importable / interpreter exists)
         cuda = vllm_has_cuda(python)
         cfg = load_config(target)
-        tok = load_tokenizer(target, required=False)
-        extra = {tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set()
-        self.eos_ids = frozenset(cfg.eos_token_ids) | extra
+        self.eos_ids = frozenset(cfg.eos_token_ids) | tokenizer_eos(
+            load_tokenizer(target, required=False))  # as Target.wrap collects them
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         self.generator = torch.Generator().manual_seed(seed)

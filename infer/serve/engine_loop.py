@@ -169,4 +169,4 @@ class EngineLoop:
             queued = len(self._inbox)
         self.metrics.snapshot = EngineSnapshot(
             self.llm.num_running, self.llm.num_waiting + queued,
-            SpecMetrics.from_dict(self.llm.get_metrics()))
+            SpecMetrics().merge(self.llm.metrics))  # a copy: the engine keeps counting

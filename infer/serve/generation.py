@@ -25,7 +25,7 @@ from infer.engine import LLM
 from infer.errors import ConfigError
 from infer.request import Request, make_request
 from infer.serve.engine_loop import EngineLoop, TokenUpdate
-from infer.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _Sampled
+from infer.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SampledRequest
 
 
 @dataclass
@@ -89,7 +89,7 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def engine_request(index: int, prompt: Union[str, list[int]], body: _Sampled,
+def engine_request(index: int, prompt: Union[str, list[int]], body: SampledRequest,
                    max_tokens: int | None, llm: LLM, param: str) -> Request:
     """A checked engine request for one prompt, ``max_tokens`` clamped to the context left."""
     if max_tokens is not None and max_tokens < 1:

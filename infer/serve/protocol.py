@@ -44,7 +44,7 @@ class StreamOptions(BaseModel):
     """vLLM: usage counts in every chunk."""
 
 
-class _Sampled(BaseModel):
+class SampledRequest(BaseModel):
     """Fields both endpoints share (OpenAI's, then vLLM's extra sampling fields)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -94,7 +94,7 @@ class _Sampled(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampled):
+class CompletionRequest(SampledRequest):
     """``POST /v1/completions``."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
@@ -103,7 +103,7 @@ class CompletionRequest(_Sampled):
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
 
-    unsupported: ClassVar[tuple[str, ...]] = _Sampled.unsupported + ("echo", "logprobs",
+    unsupported: ClassVar[tuple[str, ...]] = SampledRequest.unsupported + ("echo", "logprobs",
                                                                      "suffix")
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -138,7 +138,7 @@ class ChatMessage(BaseModel):
         return out | ({"name": self.name} if self.name else {})
 
 
-class ChatCompletionRequest(_Sampled):
+class ChatCompletionRequest(SampledRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -152,7 +152,7 @@ class ChatCompletionRequest(_Sampled):
     tool_choice: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
 
-    unsupported: ClassVar[tuple[str, ...]] = _Sampled.unsupported + (
+    unsupported: ClassVar[tuple[str, ...]] = SampledRequest.unsupported + (
         "logprobs", "top_logprobs", "tools", "tool_choice")
 
     def check_supported(self) -> None:
