@@ -81,13 +81,17 @@ def check_tensors(where: str | Path, expected: Mapping[str, Any], found: Mapping
                   hint: str = "") -> None:
     """The checkpoint at ``where`` has exactly the ``expected`` tensor names, each with the
     expected shape (a config.json that disagrees with its weights, or weights of another model,
-    is reported here rather than as a state_dict error from deep inside torch)."""
+    is reported here rather than as a state_dict error from deep inside torch). Values are
+    tensors or shapes."""
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or unexpected:
         raise FileFormatError(f"checkpoint {where}: missing weights {missing[:8]}, unexpected "
                               f"weights {unexpected[:8]}{hint}")
-    wrong = [f"{k} is {tuple(found[k].shape)}, expected {tuple(expected[k].shape)}"
-             for k in expected if tuple(found[k].shape) != tuple(expected[k].shape)]
+    def shape(v) -> tuple[int, ...]:
+        return tuple(getattr(v, "shape", v))
+
+    wrong = [f"{k} is {shape(found[k])}, expected {shape(expected[k])}"
+             for k in expected if shape(found[k]) != shape(expected[k])]
     if wrong:
         raise FileFormatError(f"checkpoint {where}: weights do not match its config.json: "
                               f"{'; '.join(wrong[:4])}{hint}")

@@ -132,7 +132,8 @@ def export_speculators_data(prepared, layer_ids: list[int], spec_dir: Path) -> d
 
     from infer.models.output import FeatureSpec
     from train.data import collate, pad_token_id
-    from train.features import FrozenTarget, capture
+    from train.features import capture
+    from train.frozen_target import FrozenTarget
 
     hs_dir = spec_dir / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)

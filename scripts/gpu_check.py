@@ -303,7 +303,8 @@ def training_step(plan: Plan) -> list[str]:
     """Online features (the frozen target's forward inside the step), the EAGLE-3 objective
     (3 TTT steps), backward, AdamW; bf16 autocast on CUDA."""
     from train.config import TrainConfig
-    from train.features import capture, target_heads
+    from train.features import capture
+    from train.frozen_target import target_heads
     from train.objectives.base import OBJECTIVES
     from train.vocab import DraftVocab
 

@@ -42,6 +42,13 @@ class FeatureMode(StrChoice):
     offline = "offline"
 
 
+class TargetSharding(StrChoice):
+    auto = "auto"
+    none = "none"
+    fsdp = "fsdp"
+    zero3 = "zero3"
+
+
 class StorageDtype(StrChoice):
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -86,6 +93,13 @@ class TargetConfig:
     """HF model directory or hub id; None: the embedded tiny target (built if missing)."""
     dtype: Dtype = Dtype.auto
     """auto: bfloat16 on GPU, float32 on CPU."""
+    sharding: TargetSharding = TargetSharding.auto
+    """How the frozen target is spread over the ranks of a multi-process run, for the target
+    forwards of online features and of the offline cache build: none = every rank holds it
+    whole; fsdp = FSDP2 (each decoder layer a unit, all-gathered for its forward); zero3 =
+    DeepSpeed ZeRO-3 (needs deepspeed). auto = as the accelerate config shards the drafter:
+    fsdp under an FSDP config, zero3 under DeepSpeed ZeRO stage 3, else none. One process: none
+    (docs/scale-out.md)."""
 
 
 @dataclass
@@ -415,7 +429,7 @@ _positive = partial(check_float, low=0.0, low_open=True)
 _share = partial(check_float, low=0.0, high=1.0, low_open=True)  # (0, 1]
 _seed = partial(check_int, minimum=0, maximum=2**32 - 1)  # numpy's range (set_seed, shuffles)
 _SECTION_RULES = {
-    "target": {"path": _opt_str, "dtype": _choice(Dtype)},
+    "target": {"path": _opt_str, "dtype": _choice(Dtype), "sharding": _choice(TargetSharding)},
     "data": {"source": _opt_str, "format": _choice(DataFormat, True), "split": check_str,
              "max_length": partial(check_int, minimum=2), "num_examples": _pos, "num_proc": _pos,
              "seed": _seed, "pack": _flag, "enable_thinking": partial(check_bool, optional=True)},

@@ -1,10 +1,9 @@
 """Target features for drafter training: online capture or an offline safetensors cache.
 
-``FrozenTarget`` is a run's frozen target: its heads (embedding + LM head, what objectives share)
-load first, the full model only when features must be computed, and both are kept for every
-stage of the run. ``capture(model, batch, spec)`` runs the native target over a packed batch with
-the block-diagonal document mask and adds what the objective's ``FeatureSpec`` asks for (``aux``
-and / or ``hidden``; see ``train/objectives/base.py``).
+The run's frozen target (``FrozenTarget``: its heads, and the whole model replicated or sharded
+across the ranks) is in train/frozen_target.py. ``capture(model, batch, spec)`` runs the native
+target over a packed batch with the block-diagonal document mask and adds what the objective's
+``FeatureSpec`` asks for (``aux`` and / or ``hidden``; see ``train/objectives/base.py``).
 
 Online mode runs it inside every step (``OnlineFeatures``). Offline mode runs it once over the
 whole dataset (``build_feature_cache``: sharded, resumable, split across ranks) and trains from
@@ -21,7 +20,6 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -29,25 +27,20 @@ import datasets
 import numpy as np
 import torch
 from safetensors import safe_open
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from infer.atomic import atomic_file, remove_leftovers, write_text
-from infer.errors import FileFormatError, MissingFileError
-from infer.files import open_safetensors, read_json
+from infer.errors import MissingFileError
+from infer.files import read_json
 from infer.models.llama import Llama
-from infer.models.loader import (load_config, load_model, native_name, resolve_dtype,
-                                 resolve_model_dir, weight_files)
+from infer.models.loader import load_config, resolve_dtype, resolve_model_dir, weight_files
 from infer.validation import check_choice, config_error
 from train import fingerprint
 from train.config import FeatureMode, FeaturesConfig, StorageDtype
 from train.data import collate, document_attention_mask
-from train.objectives.base import FeatureSpec, TargetHeads
-
-
-def target_heads(target: Llama) -> TargetHeads:
-    """The loaded target's embedding and LM head, shared (frozen) with the objective."""
-    return TargetHeads(target.config, target.embed_tokens, target.lm_head)
+from train.frozen_target import FrozenTarget, most_over_ranks
+from train.objectives.base import FeatureSpec
 
 
 @torch.no_grad()
@@ -75,77 +68,6 @@ class OnlineFeatures:
 
     def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         return capture(self.target, batch, self.spec)
-
-
-# ============================================================================= frozen heads
-
-def load_target_heads(target_dir: str | Path, dtype: str | torch.dtype = "auto",
-                      device: str | torch.device = "cpu") -> TargetHeads:
-    """Only the target's token embedding and LM head, frozen (tied checkpoints: one tensor).
-
-    Offline training needs nothing else from the target, and reading just these two tensors
-    from the safetensors headers keeps an 8B target (16 GB) down to its heads (~2 GB).
-    ``dtype``: ``auto`` = the checkpoint's own dtype (as ``load_model``).
-    """
-    model_dir = resolve_model_dir(target_dir)
-    config = load_config(model_dir)
-    torch_dtype = resolve_dtype(dtype, read_json(model_dir / "config.json"))
-    wanted = {"embed_tokens.weight"} | ({"lm_head.weight"} if not config.tie_word_embeddings
-                                        else set())
-    found: dict[str, Tensor] = {}
-    for file in weight_files(model_dir):
-        with open_safetensors(file) as f:
-            for hf_name in f.keys():
-                if native_name(hf_name) in wanted:
-                    found[native_name(hf_name)] = f.get_tensor(hf_name).to(device, torch_dtype)
-    if set(found) != wanted:
-        raise FileFormatError(f"checkpoint {model_dir}: missing {sorted(wanted - set(found))} "
-                              "(expected the embedding and, untied, the LM head)")
-    embed = nn.Embedding.from_pretrained(found["embed_tokens.weight"], freeze=True)  # [V, H]
-    with torch.device("meta"):
-        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    lm_head.weight = embed.weight if config.tie_word_embeddings else nn.Parameter(
-        found["lm_head.weight"], requires_grad=False)  # [V, H]
-    return TargetHeads(config, embed, lm_head)
-
-
-class FrozenTarget:
-    """A training run's frozen target, loaded once for all its stages.
-
-    ``heads`` (embedding + LM head, ``load_target_heads``) is all an objective borrows and all
-    offline training keeps in memory; ``model`` (the whole target, sharing those two tensors)
-    loads on first use: online capture, or cache shards still to compute. ``dtype`` "auto" =
-    bfloat16 on GPU, float32 on CPU. ``release()`` drops the model (offline training, once the
-    caches are complete).
-    """
-
-    def __init__(self, target_dir: str | Path, dtype: str | torch.dtype,
-                 device: str | torch.device) -> None:
-        self.dir, self.device = str(target_dir), torch.device(device)
-        if str(dtype) == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = str(dtype).removeprefix("torch.")
-        self._model: Llama | None = None
-
-    @cached_property
-    def heads(self) -> TargetHeads:
-        return load_target_heads(self.dir, self.dtype, self.device)
-
-    @property
-    def model(self) -> Llama:
-        if self._model is None:
-            model = load_model(self.dir, dtype=self.dtype, device=self.device)
-            model.embed_tokens, model.lm_head = self.heads.embed_tokens, self.heads.lm_head
-            self._model = model  # one copy of the heads in memory
-        return self._model
-
-    @property
-    def loaded(self) -> bool:
-        """Whether the whole model is in memory."""
-        return self._model is not None
-
-    def release(self) -> None:
-        self._model = None
 
 
 # ============================================================================= offline cache
@@ -300,6 +222,8 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
     ones recomputed) and rank 0 deletes killed writes' temporaries before a first ``barrier()``,
     so a rerun computes only the missing shards (no target load if none). Shard i is rank ``i %
     world_size``'s; after a second ``barrier()`` rank 0 writes ``index.json``, all wait at a third.
+    A sharded target (``target.sharded``) is loaded on every rank or none, and ranks with fewer
+    rows left run idle forwards up to the busiest rank's count (each forward is a collective).
     """
     if not spec.needs_target:
         raise ValueError(f"build_feature_cache: {spec} asks for no target features")
@@ -331,9 +255,13 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
               f"{item} B = {n * T * D * item / 1e9:.3g} GB in "
               f"{len(shards)} shards of {rows_per_shard} rows; rank 0 computes {len(todo)}",
               flush=True)
-    if todo:
+    mine = sum(math.ceil((b - a) / batch_size) for _, a, b in todo)  # target forwards
+    # a sharded target's forward is a collective: ranks with fewer run idle ones
+    forwards = most_over_ranks(mine, target.device) if target.sharded else mine
+    if forwards:
         _compute_shards(target, dataset, spec, cache, todo, dims, fp, dtype=dtype,
                         batch_size=batch_size, progress=progress, desc=f"features (rank {rank})")
+        _idle_forwards(target, dataset, spec, forwards - mine)
     barrier()
     if rank == 0:
         _write_index(cache, shards, fp, dims, world_size)
@@ -368,6 +296,17 @@ def _compute_shards(target: FrozenTarget, dataset, spec, cache: Path, todo, dims
                     writer.file.close()
     finally:
         bar.close()
+
+
+def _idle_forwards(target: FrozenTarget, dataset, spec: FeatureSpec, n: int) -> None:
+    """``n`` discarded forwards of one row: a sharded target's ranks must all take part in as
+    many forwards as the busiest rank runs (each all-gathers the layers' weights)."""
+    if n <= 0:
+        return
+    batch = collate([PlainRows(dataset)[0]], pad_id=0)  # [1, T] each
+    batch = {k: v.to(target.device) for k, v in batch.items()}
+    for _ in range(n):
+        capture(target.model, batch, spec)
 
 
 def _write_index(cache: Path, shards, fp: dict, dims: dict, world_size: int) -> None:

@@ -31,9 +31,10 @@ from infer.models.loader import load_config
 from infer.signals import raise_on_signals
 from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset
-from train.features import FeatureSource, FrozenTarget, make_feature_source
+from train.features import FeatureSource, make_feature_source
 from train.objectives.base import OBJECTIVES, Objective, Stage, StageData
 from train.plan import RunPlan, check_offline_cache, run_plan
+from train.frozen_target import FrozenTarget, resolve_sharding
 from train.served_eval import ServedEval
 from train.tiny.examples import build_default_dataset
 from train.vocab import DraftVocab, build_draft_vocab
@@ -119,7 +120,10 @@ def _run(cfg: TrainConfig) -> RunResult:
         prepared = prepare_data(cfg, save=state.is_main_process)
     print(f"target: {prepared.target_dir}\ndraft vocabulary: {prepared.vocab.draft_vocab_size} "
           f"tokens -> {prepared.data_dir}")
-    target = FrozenTarget(prepared.target_dir, cfg.target.dtype, state.device)
+    sharding = resolve_sharding(cfg.target.sharding, state.num_processes)
+    target = FrozenTarget(prepared.target_dir, cfg.target.dtype, state.device, sharding)
+    if target.sharded and state.is_main_process:
+        print(f"target sharded across {state.num_processes} ranks ({sharding.value})", flush=True)
     objective = OBJECTIVES.get(cfg.drafter.method)(cfg, target.heads, prepared.vocab,
                                                    prepared.target_dir)
     notes = objective.serving_notes()

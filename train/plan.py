@@ -23,8 +23,9 @@ What is exact and what is a bound:
   ``feature_spec`` asks for each), in ``features.dtype``; plus at most ``SHARD_HEADER_BYTES`` of
   safetensors header per shard of ``features.rows_per_shard`` rows.
 - GPU memory per rank of the frozen target (online: every step with ``micro_batch_size`` rows;
-  offline: while the cache fills, ``features.batch_size`` rows) = weights + captured features +
-  forward transient, see ``target_memory``. The drafter, its optimizer state and activations are
+  offline: while the cache fills, ``features.batch_size`` rows) = weights (sharded by
+  ``target.sharding``: a rank's share plus the gathered layers) + captured features + forward
+  transient, see ``target_memory``. The drafter, its optimizer state and activations are
   not included (they are small beside an 8B target, and depend on the method).
 """
 
@@ -40,8 +41,9 @@ from pathlib import Path
 from infer.errors import NoSpaceError
 from infer.models.llama import ModelConfig
 from infer.models.output import FeatureSpec
-from train.config import FeatureMode, TrainConfig, TrainerConfig
+from train.config import FeatureMode, TargetSharding, TrainConfig, TrainerConfig
 from train.schedule import Plan
+from train.frozen_target import resolve_sharding
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class TargetMemory:
     captured: int  # the feature streams of one batch
     forward: int  # the transient of one decoder layer's forward (no KV cache, no grad)
     batch: int  # rows per forward the estimate is for
+    shards: int = 1  # ranks the target is sharded over (target.sharding); 1 = whole on each
 
     @property
     def total(self) -> int:
@@ -127,11 +130,23 @@ def cache_bytes(rows: int, seq_len: int, spec: FeatureSpec | None, hidden_size: 
     return rows * seq_len * streams * hidden_size * BYTES[dtype] + shards * SHARD_HEADER_BYTES
 
 
+def sharded_weights(c: ModelConfig, shards: int) -> int:
+    """Parameters one rank holds of a target sharded over ``shards`` ranks (``target.sharding``):
+    its ``1/shards`` of every tensor, plus what is gathered while it runs: the root unit
+    (embedding and LM head; FSDP keeps it gathered for the whole forward) and two decoder layers
+    (the running one and the prefetched next)."""
+    total = count_parameters(c)
+    root = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    layer = (total - root - c.hidden_size) // c.num_layers
+    return math.ceil(total / shards) + root + 2 * layer
+
+
 def target_memory(c: ModelConfig, spec: FeatureSpec | None, batch: int, seq_len: int,
-                  dtype: str) -> TargetMemory:
+                  dtype: str, shards: int = 1) -> TargetMemory:
     """GPU bytes of the frozen target capturing features of ``batch`` rows of ``seq_len``.
 
-    weights = ``count_parameters`` x bytes. captured = B x T x H x (2 x aux + hidden) x bytes
+    weights = ``count_parameters`` x bytes (sharded over ``shards`` > 1 ranks:
+    ``sharded_weights`` x bytes). captured = B x T x H x (2 x aux + hidden) x bytes
     (``capture`` concatenates the aux streams: list and result coexist). forward = the largest
     transient of one decoder layer without KV cache or autograd: B x T x (2H residual + normed,
     (heads + 2 kv_heads) x head_dim q/k/v, heads x head_dim attention output, 3I gate / up /
@@ -146,7 +161,8 @@ def target_memory(c: ModelConfig, spec: FeatureSpec | None, batch: int, seq_len:
         + 3 * c.intermediate_size
     forward = (b * t * acts * item + b * c.num_heads * t * t * item
                + b * t * t * (1 + c.num_heads // c.num_kv_heads) + b * c.vocab_size * item)
-    return TargetMemory(count_parameters(c) * item, captured, forward, batch)
+    weights = count_parameters(c) if shards <= 1 else sharded_weights(c, shards)
+    return TargetMemory(weights * item, captured, forward, batch, shards)
 
 
 def optimizer_steps(rows: int, tcfg: TrainerConfig, world_size: int) -> Plan:
@@ -238,6 +254,10 @@ def read_target_config(cfg: TrainConfig) -> tuple[str, ModelConfig]:
     return path, config_from_hf(read_json(Path(file)))
 
 
+def _sharded_note(m: TargetMemory) -> str:
+    return "" if m.shards == 1 else f"; 1/{m.shards} each + gathered layers, target.sharding"
+
+
 def make_plan(cfg: TrainConfig, env=None) -> RunPlan:
     """The plan of ``cfg`` (module doc); ``env``: the environment holding ``WORLD_SIZE``."""
     from train.objectives.base import OBJECTIVES
@@ -246,6 +266,8 @@ def make_plan(cfg: TrainConfig, env=None) -> RunPlan:
     spec = OBJECTIVES.get(cfg.drafter.method).planned_feature_spec(cfg, config)
     f, rows, seq_len, world = cfg.features, example_bound(cfg), cfg.data.max_length, world_size(env)
     offline = f.mode == FeatureMode.offline
+    sharded = resolve_sharding(cfg.target.sharding, world, os.environ if env is None else env)
+    shards = world if sharded != TargetSharding.none else 1
     cache = feature_cache_dir(cfg)
     nbytes = cache_bytes(rows, seq_len, spec, config.hidden_size, f.dtype,
                          f.rows_per_shard) if offline else 0
@@ -257,7 +279,7 @@ def make_plan(cfg: TrainConfig, env=None) -> RunPlan:
         hidden_size=config.hidden_size, features_dtype=str(f.dtype), cache_dir=cache,
         cache_bytes=nbytes, free_bytes=free_bytes(cache), target_dtype=target_dtype(cfg),
         memory=target_memory(config, spec, f.batch_size if offline else t.micro_batch_size,
-                             seq_len, target_dtype(cfg)))
+                             seq_len, target_dtype(cfg), shards))
 
 
 def _gib(n: int) -> str:
@@ -299,7 +321,7 @@ def format_plan(plan: RunPlan, cfg: TrainConfig) -> str:
         ("features", _features_line(plan, cfg.drafter.method)),
         ("offline cache", cache),
         ("target GPU/rank", f"{_gib(m.total)} = {_gib(m.weights)} weights "
-                            f"({plan.target_dtype}) + {_gib(m.captured)} features + "
+                            f"({plan.target_dtype}{_sharded_note(m)}) + {_gib(m.captured)} features + "
                             f"{_gib(m.forward)} forward ({m.batch} x {plan.seq_len} rows {when}; "
                             "drafter and optimizer not included)"),
     ]

@@ -27,7 +27,8 @@ from typing import Any
 
 from torch import Tensor
 
-from train.features import FrozenTarget
+from infer.validation import config_error
+from train.frozen_target import FrozenTarget
 from train.objectives.base import Objective
 
 _WHERE = "train config"
@@ -55,6 +56,11 @@ class ServedEval:
         ev.validate(_WHERE)  # every_steps, every_num_prompts, ks, max_tokens ...
         if ev.every_steps == 0:
             return None
+        if target.sharded:  # the engine runs on the main process alone: it needs the whole model
+            raise config_error("eval.every_steps", ev.every_steps, "0 with a target sharded "
+                               f"across the ranks (target.sharding={target.sharding.value}): "
+                               "served evaluation needs the whole target on one process",
+                               _WHERE)
         prompts = eval_prompts(cfg, target.dir)[: ev.every_num_prompts]
         return cls(ev.every_steps, objective, target, prompts, max(ev.ks), ev.max_tokens,
                    cfg.seed)

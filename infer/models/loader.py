@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -238,27 +239,48 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     need) and call ``requires_grad_(True)``.
     """
     model_dir = resolve_model_dir(path)
-    hf, generation = _read_hf_configs(model_dir)
-    config = config_from_hf(hf, generation)
-    torch_dtype = resolve_dtype(dtype, hf)
-    files = weight_files(model_dir)  # checked before building anything
+    config, torch_dtype = model_config_and_dtype(model_dir, dtype)
     with torch.device("meta"):
         model = Llama(config)
     state = {}
-    for file in files:
-        with open_safetensors(file) as f:
-            for hf_name in f.keys():
-                name = native_name(hf_name)
-                if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
-                    continue
-                t = f.get_tensor(hf_name)
-                to_dtype = torch_dtype if t.is_floating_point() else t.dtype
-                state[name] = t.to(device=device, dtype=to_dtype)
-    expected = dict(model.named_parameters(remove_duplicate=True))
-    check_tensors(model_dir, expected, state, f" (for {config.architecture})")
+    for name, t in checkpoint_tensors(model_dir, config, model.named_parameters()):
+        state[name] = t.to(device=device, dtype=torch_dtype if t.is_floating_point() else t.dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign replaced the embedding parameter; re-share it
     model.init_buffers()
     if fuse:
         inference_layout(model)  # one q/k/v and one gate/up matmul per layer; packed on CPU
     return model.requires_grad_(False).eval()
+
+
+def model_config_and_dtype(model_dir: Path, dtype: str | torch.dtype = "auto"
+                           ) -> tuple[ModelConfig, torch.dtype]:
+    """The checkpoint's :class:`ModelConfig` and the torch dtype ``dtype`` resolves to for it."""
+    hf, generation = _read_hf_configs(model_dir)
+    return config_from_hf(hf, generation), resolve_dtype(dtype, hf)
+
+
+def checkpoint_tensors(model_dir: Path, config: ModelConfig, parameters
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(native name, CPU tensor in the checkpoint's dtype)`` of every weight the model uses,
+    one at a time (file by file, memory-mapped), so that a sharded load never holds more than one
+    whole tensor. ``parameters``: the model's ``named_parameters()`` (meta, DTensor or ZeRO-3
+    placeholders alike: only names and full shapes are read; ZeRO-3's are in ``ds_shape``). The
+    names and shapes of the whole checkpoint are checked against them, from the safetensors
+    headers, before the first tensor is read."""
+    expected = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in parameters}
+    entries: dict[Path, list[tuple[str, str]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(model_dir):
+        with open_safetensors(file) as f:
+            for hf_name in f.keys():
+                name = native_name(hf_name)
+                if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                entries.setdefault(file, []).append((name, hf_name))
+                shapes[name] = tuple(f.get_slice(hf_name).get_shape())
+    check_tensors(model_dir, expected, shapes, f" (for {config.architecture})")
+    for file, names in entries.items():
+        with open_safetensors(file) as f:
+            for name, hf_name in names:
+                yield name, f.get_tensor(hf_name)

@@ -8,13 +8,12 @@ import pickle
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from infer.models.loader import load_model
 from train import features as F
 from train.config import TrainConfig
 from train.data import collate
+from train.frozen_target import FrozenTarget
 from train.objectives.base import FeatureSpec
 
 SPEC = FeatureSpec(aux_layer_ids=(1, 2, 4), hidden=True)
@@ -44,7 +43,7 @@ def count_forwards(monkeypatch):
 
 def build(train_data, cache, spec=SPEC, **kw):
     kw = {"dtype": "float32", "rows_per_shard": RPS, "batch_size": BS, "progress": False} | kw
-    frozen = F.FrozenTarget(train_data.target_dir, "float32", "cpu")
+    frozen = FrozenTarget(train_data.target_dir, "float32", "cpu")
     return F.build_feature_cache(frozen, train_data.dataset, spec, cache, **kw)
 
 
@@ -64,29 +63,6 @@ def online(target, train_data, spec=SPEC) -> dict[str, torch.Tensor]:
     outs = [F.capture(target, collate([rows[j] for j in range(s, min(s + BS, len(rows)))], 0),
                       spec) for s in range(0, len(rows), BS)]
     return {k: torch.cat([o[k] for o in outs]) for k in ("aux", "hidden")}  # [N, T, D]
-
-
-def test_heads_equal_target_untied_and_tied(train_data, target, tmp_path):
-    heads = F.load_target_heads(train_data.target_dir, "float32", "cpu")
-    assert torch.equal(heads.embed_tokens.weight, target.embed_tokens.weight)
-    assert torch.equal(heads.lm_head.weight, target.lm_head.weight)
-    assert not torch.equal(heads.lm_head.weight, heads.embed_tokens.weight)
-    assert not any(p.requires_grad for p in (heads.embed_tokens.weight, heads.lm_head.weight))
-    assert heads.config == target.config
-    bf16 = F.load_target_heads(train_data.target_dir, "bfloat16", "cpu")
-    assert bf16.lm_head.weight.dtype == torch.bfloat16
-    assert torch.equal(bf16.lm_head.weight, target.lm_head.weight.bfloat16())
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tied")
-    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
-        assert "lm_head.weight" not in f.keys()  # tied: only the embedding is stored
-    tied, ref = F.load_target_heads(tmp_path / "tied"), load_model(tmp_path / "tied")
-    assert tied.lm_head.weight is tied.embed_tokens.weight
-    assert torch.equal(tied.lm_head.weight, ref.lm_head.weight)
-    assert tied.lm_head(torch.ones(2, 32)).shape == (2, 96)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -189,18 +165,18 @@ def test_make_feature_source_modes(train_data, target, tmp_path, count_forwards)
     batch = collate(rows, 0)
     ref = F.capture(target, batch, SPEC)
 
-    frozen = F.FrozenTarget(train_data.target_dir, "auto", "cpu")
+    frozen = FrozenTarget(train_data.target_dir, "auto", "cpu")
     src = F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)
     assert frozen.loaded and frozen.model.lm_head is frozen.heads.lm_head  # one copy
     assert torch.equal(src.add_features(batch)["aux"], ref["aux"])
 
     cfg.features.mode, cfg.features.dtype, cfg.features.rows_per_shard = "offline", "float32", 32
-    frozen = F.FrozenTarget(train_data.target_dir, "auto", "cpu")
+    frozen = FrozenTarget(train_data.target_dir, "auto", "cpu")
     src = F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)
     assert (cache_dir / "index.json").is_file()
     cached = src.add_features(stack([src.rows[0], src.rows[1]]))
     assert torch.equal(cached["hidden"], ref["hidden"])
-    frozen = F.FrozenTarget(train_data.target_dir, "auto", "cpu")  # the cache is complete:
+    frozen = FrozenTarget(train_data.target_dir, "auto", "cpu")  # the cache is complete:
     F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)
     assert not frozen.loaded  # only the heads would ever load
 

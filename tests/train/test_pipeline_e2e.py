@@ -139,12 +139,12 @@ def test_rerun_resumes_instead_of_retraining(tmp_path, train_target, chat_file):
 def test_mlp_two_stage_recipe_end_to_end(tmp_path, train_target, chat_file, monkeypatch):
     """Stage 1 on the dataset, stage 2 on the target's own answers (regenerated), then eval; the
     frozen target's heads and model are loaded once for both stages."""
-    import train.features as features
+    import train.frozen_target as frozen
 
     loads = []
     for name in ("load_target_heads", "load_model"):
-        real = getattr(features, name)
-        monkeypatch.setattr(features, name, lambda *a, _n=name, _r=real, **k: (
+        real = getattr(frozen, name)
+        monkeypatch.setattr(frozen, name, lambda *a, _n=name, _r=real, **k: (
             loads.append(_n), _r(*a, **k))[1])
     cfg = make_cfg(tmp_path, train_target, chat_file, "recipe=tiny_mlp", "drafter.inner_dim=32",
                    "objective.stage2_steps=2", "regenerate.num_examples=6",

@@ -3,6 +3,7 @@ naming ``features.cache_dir``, the planned feature spec against the built object
 ``python train.py plan=true`` end to end (exit 0, nothing trained, no weights read)."""
 
 import json
+import math
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -95,6 +96,23 @@ def test_target_memory_by_hand(llama8b):
     assert m.forward == B * T * acts * 2 + B * 32 * T * T * 2 + B * T * T * (1 + 4) + B * V * 2
     assert m.total == m.weights + m.captured + m.forward
     assert 14.9 * GIB < m.weights < 15 * GIB  # 16.06 GB: the familiar "16 GB" of an 8B model
+
+
+def test_sharded_target_memory_by_hand(llama8b, tmp_path):
+    """8B over 8 ranks: a rank's eighth of every tensor, plus the gathered root (embedding and
+    LM head, 2 x V x H) and two decoder layers (q, o: H^2; k, v: H x 1024; MLP 3 x H x I; two
+    norms)."""
+    c, H, I, V = load_config(llama8b), 4096, 14336, 128256
+    layer = 2 * H * H + 2 * H * 1024 + 3 * H * I + 2 * H
+    assert layer == 218_112_000
+    assert P.sharded_weights(c, 8) == math.ceil(8_030_261_248 / 8) + 2 * V * H + 2 * layer
+    assert P.target_memory(c, None, 1, 16, "bfloat16", 8).weights == P.sharded_weights(c, 8) * 2
+    online = cfg_of(f"target.path={llama8b}", f"output_dir={tmp_path}", "trainer.device=auto")
+    env = {"WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true"}  # target.sharding=auto: FSDP
+    plan = P.make_plan(online, env=env)
+    assert plan.memory.shards == 8 and plan.memory.weights == P.sharded_weights(c, 8) * 2
+    assert "1/8 each + gathered layers" in P.format_plan(plan, online)
+    assert P.make_plan(online, env={"WORLD_SIZE": "8"}).memory.weights == 8_030_261_248 * 2
 
 
 def test_steps_epochs_max_steps_accum_and_world():
@@ -196,7 +214,7 @@ def test_real_run_check_counts_cached_shards(tmp_path, monkeypatch):
     ("pard", ["objective.kd_weight=0.5"]), ("pard", []),
 ])
 def test_planned_spec_is_the_objectives(train_data, method, extra):
-    from train.features import FrozenTarget
+    from train.frozen_target import FrozenTarget
 
     target = train_data.target_dir
     cfg = cfg_of(f"drafter.method={method}", f"target.path={target}", "trainer.device=cpu",

@@ -3,7 +3,7 @@
 import pytest
 
 from infer import LLM, SamplingParams
-from train.features import FrozenTarget
+from train.frozen_target import FrozenTarget
 from train.objectives.base import OBJECTIVES
 from train.served_eval import ServedEval
 

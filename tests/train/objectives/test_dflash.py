@@ -15,7 +15,7 @@ from infer.models.loader import load_model
 from infer.models.output import ModelOutput
 from infer.proposers.base import DraftBatch, VerifiedStep
 from train.config import TrainConfig
-from train.features import target_heads
+from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.dflash import (anchor_candidates, block_mask, sample_anchors, slot_metrics,
                                      slot_targets)

@@ -15,7 +15,7 @@ from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 from infer.sampling import SamplingParams
 from train.config import TrainConfig
-from train.features import target_heads
+from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.ttt import StepStats, shift_left, step_valid, ttt_attention_mask
 from ..conftest import adam_steps, feature_batches

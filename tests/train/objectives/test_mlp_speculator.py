@@ -11,7 +11,8 @@ from infer import LLM
 from infer.drafters.mlp_speculator import MLPSpeculator
 from infer.models.loader import load_model
 from train.config import TrainConfig
-from train.features import capture, target_heads
+from train.features import capture
+from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.mlp_speculator import MLPSpeculatorObjective, shifted_targets
 from ..conftest import adam_steps, feature_batches, own_continuations

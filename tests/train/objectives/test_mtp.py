@@ -16,7 +16,7 @@ from infer.engine import LLM
 from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 from infer.sampling import SamplingParams
-from train.features import target_heads
+from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.ttt import step_valid
 from train.stitch import mimo_config

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from infer import LLM
 from infer.models.loader import load_config, load_model
 from train.config import TrainConfig
-from train.features import target_heads
+from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.pard import (PardObjective, chain_accuracy, choose_mask_token, cod_selection,
                                    pard_batch)
