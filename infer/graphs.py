@@ -110,11 +110,14 @@ class StaticForward:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def __call__(self, input_ids: Tensor, *row_inputs: Tensor, slots: list[int], index: Tensor,
-                 max_len: int, num_tokens: Tensor | None = None) -> Any:
+                 max_len: int, num_tokens: Tensor | None = None,
+                 row_kwargs: dict[str, Tensor] | None = None) -> Any:
         """Forward ``input_ids [B, T]`` (and ``row_inputs``, each ``[B, T, ...]``) for cache rows
         ``slots`` (any order) with ``num_tokens [B]`` real tokens each (default all ``T``), as
         the plain module would; every output tensor comes back in the order of ``slots`` (a copy,
-        so the next replay cannot overwrite what the caller holds).
+        so the next replay cannot overwrite what the caller holds). ``row_kwargs``: per-row
+        keyword inputs ``[B, ...]`` of fixed trailing shape per ``T`` (P-EAGLE's ``logits_at
+        [B, K]``), buffered like ``row_inputs`` (zeros in rows without a request).
 
         ``index``: ``slots`` on the device, made by the caller before it queued this step's GPU
         work (made here, the copy would wait for that work). ``max_len``: a host-side bound on
@@ -127,18 +130,19 @@ class StaticForward:
             rows = next(s for s in self.sizes if s > max(slots))
             # real keys never pass max_len: the scratch column (padding writes) is never read
             kv_len = kv_bucket(max_len, self.cache.max_len)
-            ids, num, *extra = self._inputs(t, row_inputs)
+            named = row_kwargs or {}
+            ids, num, *extra = self._inputs(t, (*row_inputs, *named.values()))
             num.zero_()  # rows without a request this step: no tokens
             if num_tokens is None:
                 num.index_fill_(0, index, t)
             else:
                 num.index_copy_(0, index, num_tokens.to(num.dtype))
-            for buf, x in zip([ids, *extra], [input_ids, *row_inputs]):
+            for buf, x in zip([ids, *extra], [input_ids, *row_inputs, *named.values()]):
                 buf.index_copy_(0, index, x.to(buf.dtype))
             key = (rows, t, kv_len)
             if key not in self.graphs:
-                self.graphs[key] = _Graph(self._step_fn(rows, t, kv_len), self.cache,
-                                          self._stream, self._pool)
+                self.graphs[key] = _Graph(self._step_fn(rows, t, kv_len, tuple(named)),
+                                          self.cache, self._stream, self._pool)
             out = self.graphs[key]()  # rows [R] in cache order
             return _map_tensors(lambda x: x.index_select(0, index), out)
 
@@ -150,12 +154,15 @@ class StaticForward:
             self._buffers[t] += [x.new_zeros(rows, *x.shape[1:]) for x in row_inputs]
         return self._buffers[t]
 
-    def _step_fn(self, rows: int, t: int, kv_len: int) -> Callable[[], Any]:
+    def _step_fn(self, rows: int, t: int, kv_len: int, names: tuple[str, ...] = ()
+                 ) -> Callable[[], Any]:
         ids, num, *extra = (b[:rows] for b in self._buffers[t])  # views: what __call__ writes
+        split = len(extra) - len(names)  # row inputs, then the row keyword inputs
+        positional, named = extra[:split], dict(zip(names, extra[split:]))
 
         def step() -> Any:
-            out = self.module(ids, *extra, self.cache, None, num_tokens=num, kv_len=kv_len,
-                              **self.kwargs)
+            out = self.module(ids, *positional, self.cache, None, num_tokens=num, kv_len=kv_len,
+                              **named, **self.kwargs)
             if t not in self._outputs:  # the first warm-up runs outside capture: allocate
                 self._outputs[t] = _map_tensors(
                     lambda x: x.new_empty(self.cache.max_batch, *x.shape[1:]), out)

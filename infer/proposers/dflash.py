@@ -24,6 +24,7 @@ from torch import Tensor
 
 from infer.drafters.dflash import DFlashDrafter
 from infer.errors import FileFormatError
+from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
@@ -58,6 +59,8 @@ class DFlashProposer(Proposer):
                                        self.max_len + self.k + 1, dtype=ctx.dtype,
                                        device=ctx.device)
         self.fed = [0] * ctx.max_num_seqs  # verified positions held in each slot's cache row
+        # the block forward in fixed shapes, replayed as CUDA graphs on CUDA (infer/graphs.py)
+        self.static = StaticForward(self.block_step, self.cache) if ctx.static_steps else None
         self.sample = spec.draft_sample_method == "probabilistic"
         self.mask_id = self.drafter.config.mask_token_id
 
@@ -106,15 +109,24 @@ class DFlashProposer(Proposer):
                 raise RuntimeError(f"slot {slot}: {self.fed[slot]} context positions held for "
                                    f"{len(toks) - 1} verified tokens; {_WIRING} and observe()")
         index = torch.tensor(batch.slots, device=device)  # [B]
-        rows = cache_rows(batch.slots, index)
         ids = torch.full((len(batch.slots), 1 + k), self.mask_id, dtype=torch.long)
         ids[:, 0] = torch.tensor([toks[-1] for toks in batch.token_ids])
         ids = ids.to(device)  # [B, 1 + K]
-        step = self.cache.plan(ids.shape[0], 1 + k, rows)  # positions p .. p + K; not advanced
+        if self.static is not None:  # keys < p + 1 + K = len(tokens) + K
+            longest = max(len(toks) for toks in batch.token_ids) + k
+            return self.static(ids, slots=batch.slots, index=index, max_len=longest)
+        return self.block_step(ids, self.cache, cache_rows(batch.slots, index))
+
+    def block_step(self, ids: Tensor, cache: KVCache, slots: Tensor | None, *,
+                   num_tokens: Tensor | None = None, kv_len: int | None = None) -> Tensor:
+        """``ids [B, 1 + K]`` at positions ``p .. p + K`` of cache rows ``slots``, the cache not
+        advanced: logits of the K mask rows ``[B, K, Vd]``. The StaticForward contract (a row
+        with ``num_tokens`` 0 writes only the scratch column; its output is dropped)."""
+        step = cache.plan(ids.shape[0], ids.shape[1], slots, num_tokens, kv_len)
         end = step.positions[:, -1:] + 1  # [B, 1]: keys < p + 1 + K
-        keys = torch.arange(step.kv_len, device=device)  # [S]
+        keys = torch.arange(step.kv_len, device=ids.device)  # [S]
         mask = (keys[None, None, :] < end[:, :, None])[:, None]  # [B, 1, 1, S]
-        mask = mask.expand(-1, -1, 1 + k, -1)  # [B, 1, 1 + K, S]: the same keys for every row
+        mask = mask.expand(-1, -1, ids.shape[1], -1)  # [B, 1, 1 + K, S]: same keys, every row
         h = self.drafter.block_forward(ids, step.positions, mask, step)  # [B, 1 + K, H]
         return self.drafter.logits(h[:, 1:])  # [B, K, Vd]
 

@@ -13,6 +13,10 @@ the K - 1 mask rows give the K drafts (``logits_at`` = the last K rows). The mas
 entries are dropped at the next step by the chain proposer's rollback to the verified pairs
 (``self.fed``); the cache holds ``max_model_len + k`` rows, room for the K - 1 extra ones.
 
+On CUDA the forward runs in fixed shapes and is replayed as a CUDA graph (``StaticForward``, as
+the chain proposers' one-pair steps; ``logits_at`` goes in as a per-row keyword input): one graph
+per row bucket x token count (longest catch-up + K - 1) x key bucket.
+
 Matches vLLM 0.32's ``llm_base_proposer.py`` (``parallel_drafting``: one forward,
 ``_copy_and_expand_eagle_inputs`` appends K - 1 slots with ``parallel_drafting_token_id`` and
 ``parallel_drafting_hidden_state_tensor`` = ``combine_hidden_states(mask_hidden)``). Unlike
@@ -41,8 +45,7 @@ class PEagleProposer(Eagle3Proposer):
     drafter_class = PEagleDrafter
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
-        super().__init__(spec, ctx)
-        self.static = None  # no one-pair steps: nothing for fixed-shape / graph replays
+        super().__init__(spec, ctx)  # self.static: the one forward in fixed shapes (graphs)
         trained = self.drafter.config.speculative_tokens
         if self.k > trained:
             raise config_error("num_speculative_tokens", self.k,
@@ -56,10 +59,15 @@ class PEagleProposer(Eagle3Proposer):
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
-        _, rows, ids, feats, counts = self.begin_step(batch)  # mask rows: rolled back too
+        slots, rows, ids, feats, counts = self.begin_step(batch)  # mask rows: rolled back too
         ids, feats, num_tokens, last = self.with_mask_rows(ids, feats, counts, batch.k)
-        logits, _ = self.drafter(ids, feats, self.cache, rows, num_tokens=num_tokens,
-                                 logits_at=last)  # [B, K, V']
+        if self.static is None:
+            logits, _ = self.drafter(ids, feats, self.cache, rows, num_tokens=num_tokens,
+                                     logits_at=last)  # [B, K, V']
+        else:  # cache rows after the step: the verified pairs plus the K - 1 mask rows
+            longest = max(len(t) for t in batch.token_ids) + batch.k - 1
+            logits, _ = self.static(ids, feats, slots=batch.slots, index=slots, max_len=longest,
+                                    num_tokens=num_tokens, row_kwargs={"logits_at": last})
         tokens, probs = self._choose(logits, batch)  # [B, K], [B, K, vocab] or None
         return Proposal(tokens, probs if self.sample else None)
 

@@ -13,6 +13,7 @@ from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
 from ..conftest import save_tiny_llama
+from .conftest import check_cuda_graph_drafts, check_static_drafts
 from ..test_engine_sampling import K, N, PROMPT, chi2_pvalue, exact_laws, sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -59,6 +60,22 @@ def test_greedy_equals_autoregressive(target4, heads, head, k, max_num_seqs):
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert llm.spec.method == "dflash" and llm.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("head, k, synthetic", [("full", 2, None), ("reduced", 4, None),
+                                                ("full", 3, 0.6)])
+def test_static_path_drafts_what_the_plain_forward_drafts(target4, heads, head, k, synthetic,
+                                                          monkeypatch):
+    """The block forward in fixed shapes (CUDA graphs on CUDA) drafts what the plain one does."""
+    check_static_drafts(target4, {"model": heads[head], "num_speculative_tokens": k}, PROMPTS,
+                        monkeypatch, synthetic)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_drafts_equal_eager_drafts(target4, heads):
+    check_cuda_graph_drafts(target4, {"model": heads["reduced"], "num_speculative_tokens": 3},
+                            PROMPTS)
 
 
 def test_k_defaults_to_block_minus_one_and_more_is_refused(target4, heads):

@@ -14,6 +14,7 @@ from infer.proposers.peagle import PEagleProposer
 from infer.sampling import SamplingParams
 
 from ..conftest import save_tiny_llama
+from .conftest import check_cuda_graph_drafts, check_static_drafts
 from ..test_engine_sampling import K, chi2_pvalue, exact_laws, sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -126,3 +127,17 @@ def test_two_layer_head_greedy_equals_autoregressive(target4, tmp_path, k):
     assert isinstance(llm.proposer, PEagleProposer) and len(llm.proposer.drafter.layers) == 2
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [b.token_ids for b in base]
     assert llm.get_metrics()["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("k, synthetic", [(2, None), (4, None), (3, 0.6)])
+def test_static_path_drafts_what_the_plain_forward_drafts(target4, head, k, synthetic,
+                                                          monkeypatch):
+    """The one forward in fixed shapes (CUDA graphs on CUDA) drafts what the plain one does."""
+    check_static_drafts(target4, {"model": head, "num_speculative_tokens": k}, PROMPTS,
+                        monkeypatch, synthetic)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_drafts_equal_eager_drafts(target4, head):
+    check_cuda_graph_drafts(target4, {"model": head, "num_speculative_tokens": 3}, PROMPTS)
