@@ -81,6 +81,7 @@ class DraftModelProposer(Proposer):
         rows = cache_rows(batch.slots, slots)  # None when in order: views, no gathers
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))
+        self._feed_backlogs(batch)
         feeds = [toks[self.fed[s]:] for s, toks in zip(batch.slots, batch.token_ids)]
         for s, toks in zip(batch.slots, batch.token_ids):
             self.fed[s] = len(toks)  # after this step's catch-up the cache holds all of them
@@ -90,6 +91,21 @@ class DraftModelProposer(Proposer):
         else:
             tokens, probs = self._sequential(feeds, slots, rows, batch)
         return Proposal(tokens, probs if self.sample else None)
+
+    def _feed_backlogs(self, batch: DraftBatch) -> None:
+        """Rows with more unseen tokens than a verify step leaves (k + 1: a new prompt) feed all
+        but their last token first, in a forward of their own rows only: in the batch's one
+        catch-up they would pad every row to the prompt's length (the EAGLE proposers do the
+        same, infer/proposers/eagle.py)."""
+        long = [(slot, toks[self.fed[slot]:-1]) for slot, toks in zip(batch.slots, batch.token_ids)
+                if len(toks) - self.fed[slot] > self.k + 1]
+        if not long:
+            return
+        slots = [slot for slot, _ in long]
+        index = torch.tensor(slots, device=self.ctx.device)  # [L]
+        self._forward_ragged([feed for _, feed in long], cache_rows(slots, index), last=1)
+        for slot, feed in long:
+            self.fed[slot] += len(feed)
 
     def _sequential(self, feeds: list[list[int]], slots: torch.Tensor,
                     rows: torch.Tensor | None, batch: DraftBatch):

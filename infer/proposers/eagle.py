@@ -109,12 +109,32 @@ class EagleChainProposer(Proposer):
         the next step)."""
         slots = torch.tensor(batch.slots, device=self.ctx.device)  # [B]
         rows = cache_rows(batch.slots, slots)  # None when in order: cache views, no gathers
-        ids, feats, counts = self._catch_up_inputs(batch)  # [B, T], [B, T, H], B counts
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))
+        self._feed_backlogs(batch)
+        ids, feats, counts = self._catch_up_inputs(batch.slots, batch.token_ids)
         for slot, n in zip(batch.slots, counts):
             self.fed[slot] += n
-        return slots, rows, ids, feats, counts
+        return slots, rows, ids, feats, counts  # [B], ., [B, T], [B, T, H], B counts
+
+    def _feed_backlogs(self, batch: DraftBatch) -> None:
+        """A request's first catch-up covers its whole prompt. In the batch's one catch-up
+        forward it would pad every row to the prompt's length (measured: 7 such steps were 12 %
+        of a batch-8 run, scripts/bench_spec_step.py). So rows holding more pairs than a verify
+        step leaves (k + 1) feed all but their last pair first, in a forward of their own rows
+        only (vLLM runs its drafter over the prompt right after the target's prefill)."""
+        long = [(slot, toks[:-1]) for slot, toks in zip(batch.slots, batch.token_ids)
+                if len(toks) - 1 - self.fed[slot] > self.k + 1]
+        if not long:
+            return
+        slots = [slot for slot, _ in long]
+        ids, feats, counts = self._catch_up_inputs(slots, [toks for _, toks in long])
+        index = torch.tensor(slots, device=self.ctx.device)  # [L]
+        num = torch.tensor(counts, device=self.ctx.device)  # [L]
+        self.drafter(ids, feats, self.cache, cache_rows(slots, index), num_tokens=num,
+                     logits_at=(num - 1)[:, None])  # writes the draft cache; outputs unused
+        for slot, n in zip(slots, counts):
+            self.fed[slot] += n
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
@@ -141,10 +161,12 @@ class EagleChainProposer(Proposer):
         longest = max(len(t) for t in batch.token_ids) + step  # cache rows after this step
         return self.static(tok, hidden, slots=batch.slots, index=slots, max_len=longest)
 
-    def _catch_up_inputs(self, batch: DraftBatch) -> tuple[Tensor, Tensor, list[int]]:
-        """Pending pairs per row, right-padded: tokens ``[B, T]``, features ``[B, T, H]``."""
+    def _catch_up_inputs(self, slots: list[int], token_ids: list[list[int]]
+                         ) -> tuple[Tensor, Tensor, list[int]]:
+        """The pending pairs of each slot up to its tokens ``token_ids`` (taken from pending),
+        right-padded: tokens ``[B, T]``, features ``[B, T, H]``, counts."""
         rows = []
-        for slot, toks in zip(batch.slots, batch.token_ids):
+        for slot, toks in zip(slots, token_ids):
             need = len(toks) - 1 - self.fed[slot]  # pairs (f_j, token_{j+1}) not yet fed
             have = self.pending.get(slot)
             if have is None or need < 1 or have.shape[0] < need:

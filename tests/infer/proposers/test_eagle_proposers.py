@@ -141,6 +141,29 @@ def test_catch_up_and_rollback_equal_drafting_from_scratch(method, heads, target
             assert p2.draft_ids[row].tolist() == want
 
 
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_a_prompt_backlog_is_fed_alone_not_padding_the_batch(method, heads, target):
+    """A new request's first catch-up covers its prompt: it goes in a forward of its own rows
+    (all but its last pair), so the batch's catch-up stays within k + 1 columns; the drafts
+    equal those of one forward over everything."""
+    proposer = make(method, heads, target)
+    shapes, forward = [], proposer.drafter.forward
+
+    def record(ids, *args, **kwargs):
+        shapes.append(tuple(ids.shape))
+        return forward(ids, *args, **kwargs)
+    proposer.drafter.forward = record
+    prompts, slots = [list(range(3, 23)), [5, 6, 7]], [1, 3]
+    proposer.prefilled(slots, [20, 3], fake_output(2, 20, seed=5))
+    tokens = [p + [first] for p, first in zip(prompts, [30, 31])]
+    got = proposer.propose(DraftBatch(slots, tokens, K)).draft_ids
+    assert shapes == [(1, 19), (2, 3)] + [(2, 1)] * (K - 1)  # backlog, catch-up, chain steps
+    plain = make(method, heads, target)
+    plain._feed_backlogs = lambda batch: None  # everything in the batch's one catch-up
+    plain.prefilled(slots, [20, 3], fake_output(2, 20, seed=5))
+    assert torch.equal(plain.propose(DraftBatch(slots, tokens, K)).draft_ids, got)
+
+
 def test_eagle3_aux_layer_ids_and_real_target_output(heads, target):
     proposer = make("eagle3", heads, target)
     aux_ids = proposer.feature_spec().aux_layer_ids
