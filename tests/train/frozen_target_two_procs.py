@@ -8,7 +8,8 @@ argv: TARGET_DIR OUT_DIR SHARDING. The frozen target is loaded sharded across th
 2. online capture on a batch of this rank's own rows, against the replicated model;
 3. an offline cache built with the sharded target, 3 shards over 2 ranks (rank 0 computes two,
    rank 1 one: idle forwards keep them in step); every cached row against the replicated model;
-4. resume: a deleted shard of rank 1's is recomputed, by rank 1 alone (forward counts).
+4. resume: a deleted shard of rank 1's is recomputed and no other shard file is rewritten
+   (modification times); rank 0 runs idle forwards meanwhile (forward counts).
 
 Results go to ``OUT/<sharding>_rank<r>.json`` for the test to check.
 """
