@@ -9,9 +9,15 @@ Packing (:func:`pack_for_cpu_`): ``nn.Linear`` keeps ``weight [out, in]`` row-ma
 step; k + 1 when verifying) reach a fraction of the memory bandwidth. oneDNN's
 ``_linear_pointwise`` with the weight reordered once into its blocked layout (what inductor's
 CPU freezing does) is 2-4x faster there: on the tiny target's 17 projections (16 MB fp32,
-2 threads), 3.0 -> 0.8 ms for 4 rows and 3.9 -> 0.8 ms for 8 (docs/benchmarks.md). The packed
-copy is kept next to the weight (the weight stays what the rest of the code reads: tied and
-shared embeddings, ``state_dict``), so packed linears take twice their memory on CPU.
+2 threads), 3.0 -> 0.8 ms for 4 rows and 3.9 -> 0.8 ms for 8 (docs/benchmarks.md). But a
+oneDNN call has a fixed cost of ~15-20 us, more than MKL needs for a whole small projection: on
+the 8 x 128 target (q/k/v 256 x 128, gate/up 704 x 128, an EAGLE head's 1024-row LM head) the
+packed call was 2-4x *slower* than ``F.linear`` at 1 row and no faster at 4-32 rows; it wins
+from about 2^18 weight elements (docs/benchmarks.md, "Packed linears only where they pay"). So
+only weights of at least :data:`PACK_MIN_ELEMENTS` are packed; every projection of a real
+model is far above it. The packed copy is kept next to the weight (the weight stays what the
+rest of the code reads: tied and shared embeddings, ``state_dict``), so packed linears take
+twice their memory on CPU.
 
 A packed or fused weight is used only while it still describes the parameters: a replaced
 ``.data`` (``.to()``, ``load_state_dict(assign=True)``) or an in-place edit (``copy_``, which
@@ -31,6 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+#: weights with fewer elements stay on ``F.linear``: oneDNN's fixed per-call cost outweighs its
+#: faster kernel below this size (module doc)
+PACK_MIN_ELEMENTS = 1 << 18
 
 
 class PackedWeight:
@@ -167,8 +176,10 @@ def _fuse(params: list[Tensor]) -> Tensor:
     return torch.cat([p.detach() for p in params], dim=0)
 
 
-def pack_for_cpu_(module: nn.Module, repack: bool = False) -> nn.Module:
-    """Pack every CPU linear of ``module`` for inference, in place; returns it.
+def pack_for_cpu_(module: nn.Module, repack: bool = False,
+                  min_elements: int = PACK_MIN_ELEMENTS) -> nn.Module:
+    """Pack every CPU linear of ``module`` whose weight has at least ``min_elements`` elements
+    for inference, in place; returns it (smaller ones run ``F.linear``: see the module doc).
 
     Fused projections (:class:`FusedLinear` attributes of submodules, e.g. after
     :meth:`~infer.models.llama.Llama.fuse_projections`) are packed as one; their separate parts
@@ -178,7 +189,8 @@ def pack_for_cpu_(module: nn.Module, repack: bool = False) -> nn.Module:
     pack.
     """
     def stale(packed: PackedWeight | None, weight: Tensor) -> bool:
-        return repack or packed is None or not packed.describes(weight)
+        return weight.numel() >= min_elements and (
+            repack or packed is None or not packed.describes(weight))
 
     fused = [v for sub in module.modules() for v in vars(sub).values()
              if isinstance(v, FusedLinear)]

@@ -234,7 +234,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     The model is built on the meta device (no random init), the safetensors tensors are assigned
     in place, converted to ``dtype`` on ``device``. Returned frozen (``requires_grad=False``) and
     in eval mode: it is a target model, in the inference layout (infer/models/layout.py: fused
-    q/k/v and gate/up, and on CPU oneDNN-packed linear weights). To train it, load with
+    q/k/v and gate/up, and on CPU its large linear weights oneDNN-packed). To train it, load with
     ``fuse=False`` (PyTorch's layout, every parameter its own storage, as sharded optimizers
     need) and call ``requires_grad_(True)``.
     """

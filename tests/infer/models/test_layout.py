@@ -8,9 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.models.layout import FusedLinear, PackedLinear, PackedWeight, pack_for_cpu_
+from infer.models.layout import (PACK_MIN_ELEMENTS, FusedLinear, PackedLinear, PackedWeight,
+                                 pack_for_cpu_)
 from infer.models.llama import Llama, ModelConfig
 
+# the tests' weights are tiny: min_elements=0 packs them anyway (the default size rule has its
+# own test below)
 needs_packing = pytest.mark.skipif(PackedWeight.of(torch.zeros(2, 2)) is None,
                                    reason="this torch build cannot pack weights with oneDNN")
 
@@ -34,7 +37,7 @@ def test_packed_model_matches_plain_and_keeps_names(tied):
     with torch.no_grad():
         ref = model.forward_train(ids).logits
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        pack_for_cpu_(model.fuse_projections())
+        pack_for_cpu_(model.fuse_projections(), min_elements=0)
         out = model.forward_train(ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     after = model.state_dict()
@@ -50,7 +53,7 @@ def test_packed_model_matches_plain_and_keeps_names(tied):
 
 @needs_packing
 def test_copies_and_pickles_drop_the_packing_and_still_compute():
-    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    model = pack_for_cpu_(tiny_llama().fuse_projections(), min_elements=0)
     ids = torch.randint(0, 64, (2, 5))
     clones = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
     with torch.no_grad():
@@ -62,16 +65,16 @@ def test_copies_and_pickles_drop_the_packing_and_still_compute():
 
 @needs_packing
 def test_a_shared_packed_linear_is_not_packed_again():
-    target = pack_for_cpu_(tiny_llama())
+    target = pack_for_cpu_(tiny_llama(), min_elements=0)
     head = torch.nn.ModuleDict({"fc": torch.nn.Linear(8, 8), "lm_head": target.lm_head})
     packed = target.lm_head._packed
-    pack_for_cpu_(head)
+    pack_for_cpu_(head, min_elements=0)
     assert head["lm_head"]._packed is packed and isinstance(head["fc"], PackedLinear)
 
 
 @needs_packing
 def test_in_place_edits_and_replaced_data_fall_back_to_the_parameters():
-    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    model = pack_for_cpu_(tiny_llama().fuse_projections(), min_elements=0)
     plain = tiny_llama()  # same seed: same weights, default layout
     ids = torch.randint(0, 64, (2, 5))
     with torch.no_grad():
@@ -92,7 +95,7 @@ def test_in_place_edits_and_replaced_data_fall_back_to_the_parameters():
 
 @needs_packing
 def test_gradients_flow_through_the_plain_parameters():
-    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    model = pack_for_cpu_(tiny_llama().fuse_projections(), min_elements=0)
     plain = tiny_llama()
     ids = torch.randint(0, 64, (2, 6))
     grads = []
@@ -115,15 +118,15 @@ def test_a_weight_replaced_at_a_recycled_address_is_not_mistaken_for_the_packed_
         for _ in range(20):  # several reloads between forwards: freed addresses get reused
             lin = torch.nn.Linear(64, 64, bias=False)
             lin.load_state_dict({"weight": torch.randn(64, 64)}, assign=True)
-            pack_for_cpu_(lin)
+            pack_for_cpu_(lin, min_elements=0)
             for _ in range(4):
                 lin.load_state_dict({"weight": torch.randn(64, 64)}, assign=True)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
         assert lin._packed.tensor is None  # the stale packing was dropped
-        pack_for_cpu_(lin)
+        pack_for_cpu_(lin, min_elements=0)
         assert uses_packed(lin)
         lin.weight.data.copy_(torch.randn(64, 64))
-        pack_for_cpu_(lin, repack=True)
+        pack_for_cpu_(lin, repack=True, min_elements=0)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
 
 
@@ -142,7 +145,7 @@ def test_bfloat16_packing_matches_plain_linear():
     with torch.no_grad():
         lin.weight.copy_(weight)
         lin.bias.copy_(bias)
-    pack_for_cpu_(lin)
+    pack_for_cpu_(lin, min_elements=0)
     x = torch.randn(3, 1, 16).bfloat16()
     with torch.no_grad():
         assert uses_packed(lin)
@@ -166,10 +169,24 @@ def test_fused_linear_concatenates_outputs_and_reports_replaced_parameters():
 def test_unpackable_weights_stay_plain(monkeypatch):
     """fp16, CUDA-less builds, CPUs oneDNN refuses: plain F.linear, no error."""
     lin = torch.nn.Linear(4, 4, dtype=torch.float16)
-    pack_for_cpu_(lin)
+    pack_for_cpu_(lin, min_elements=0)
     assert type(lin) is torch.nn.Linear
     monkeypatch.setattr("infer.models.layout._packing_works", lambda dtype: False)
-    model = pack_for_cpu_(tiny_llama().fuse_projections())
+    model = pack_for_cpu_(tiny_llama().fuse_projections(), min_elements=0)
     assert type(model.lm_head) is torch.nn.Linear and model.layers[0].mlp._gate_up.packed is None
     with torch.no_grad():
         model.forward_train(torch.randint(0, 64, (1, 4)))
+
+
+@needs_packing
+def test_by_default_only_weights_big_enough_to_gain_are_packed():
+    """oneDNN's fixed per-call cost exceeds a small projection's whole MKL time (module doc):
+    by default a weight below PACK_MIN_ELEMENTS runs F.linear, one at or above it is packed."""
+    small = torch.nn.Linear(128, 704, bias=False)  # the tiny target's gate/up: 90K elements
+    big = torch.nn.Linear(128, PACK_MIN_ELEMENTS // 128, bias=False)
+    model = torch.nn.ModuleDict({"small": small, "big": big})
+    pack_for_cpu_(model)
+    assert type(small) is torch.nn.Linear and isinstance(big, PackedLinear) and uses_packed(big)
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(big(x), F.linear(x, big.weight), rtol=1e-5, atol=1e-5)
