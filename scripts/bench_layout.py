@@ -51,7 +51,7 @@ def forwards(target, head, batch: int, context: int) -> tuple[dict, callable]:
     cache = KVCache.for_model(target.config, batch, context + 8)
     head_cache = KVCache.for_model(head.layer_config, batch, context + 8)
     ids = torch.randint(0, target.config.vocab_size, (batch, context))  # [B, S]
-    hidden = head.fc.weight.shape[0]
+    hidden = head.layer_config.hidden_size
     with torch.no_grad():
         target(ids, cache)
         head(ids, torch.randn(batch, context, hidden), head_cache)
@@ -91,11 +91,11 @@ def measure(models: dict, batch: int, calls: int, context: int) -> dict:
 
 
 def report(med: dict, batch: int) -> None:
-    before, after = LAYOUTS
+    before, after = LAYOUTS  # the two layout names
+    ar_a, ar_b = med[(before, "autoregressive")], med[(after, "autoregressive")]
     print(f"\nbatch {batch}: {'forward':<16} {before:>12} {after:>14}  ratio   in AR steps")
     for f in FORWARDS:
         a, b = med[(before, f)], med[(after, f)]
-        ar_a, ar_b = med[(before, "autoregressive")], med[(after, "autoregressive")]
         print(f"         {f:<16} {a:10.0f} us {b:12.0f} us  {b / a:5.2f}"
               f"   {a / ar_a:.3f} -> {b / ar_b:.3f}")
 

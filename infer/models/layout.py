@@ -188,19 +188,21 @@ def pack_for_cpu_(module: nn.Module, repack: bool = False,
     sharing the target's LM head) unless ``repack``. A no-op on CUDA and wherever oneDNN cannot
     pack.
     """
-    def stale(packed: PackedWeight | None, weight: Tensor) -> bool:
-        return weight.numel() >= min_elements and (
-            repack or packed is None or not packed.describes(weight))
+    def needs_packing(packed: PackedWeight | None, weight: Tensor) -> bool:
+        """Big enough to gain, and not already packed as it is now (or ``repack``)."""
+        if weight.numel() < min_elements:
+            return False
+        return repack or packed is None or not packed.describes(weight)
 
     fused = [v for sub in module.modules() for v in vars(sub).values()
              if isinstance(v, FusedLinear)]
     parts = {id(lin) for f in fused for lin in f.linears}
     for f in fused:
-        if stale(f.packed, f.weight):
+        if needs_packing(f.packed, f.weight):
             f.packed = PackedWeight.of(f.weight)
     for sub in module.modules():
         if (type(sub) in (nn.Linear, PackedLinear) and id(sub) not in parts
-                and stale(getattr(sub, "_packed", None), sub.weight)):
+                and needs_packing(getattr(sub, "_packed", None), sub.weight)):
             packed = PackedWeight.of(sub.weight)
             if packed is not None:
                 sub.__class__ = PackedLinear
