@@ -6,14 +6,19 @@ leaves numbers behind (a dated section appended to docs/benchmarks.md with ``--r
 1. ``pytest -m cuda`` (the CUDA tests: graphs, Triton sampler, device placement);
 2. decode tokens/s with random weights at real shapes (Llama-3.2-1B and Llama-3.1-8B configs,
    bf16; nothing downloaded) at batch 1, 8 and 32: the engine with CUDA graphs on and off,
-   transformers' ``generate`` with a static cache (compiled by transformers), and the
+   transformers' ``generate`` with a static cache (eager; compiled in part 6), and the
    memory-bandwidth roofline (weights + KV-cache bytes per step over the copy bandwidth
    measured on the device);
 3. one EAGLE-3 head step and one PARD draft forward (a 1B-shaped draft for the 8B target, k = 3)
    as a fraction of a target step, at batch 1 and 8, 512 tokens of context;
 4. the Triton rejection sampler against the torch reference on device (identical outputs);
 5. one EAGLE-3 training step at the large shape (online features, bf16 autocast, one GPU):
-   tokens/s and peak memory.
+   tokens/s and peak memory;
+6. transformers' static-cache ``generate`` compiled by transformers, last: compiling an 8B
+   forward per batch size takes minutes.
+
+``--parts tests,draft`` runs a subset in that order; on a lease, one process per part under a
+timeout keeps a slow part from costing the others' numbers.
 
 Without CUDA the same script runs at tiny shapes on the CPU and says so;
 ``tests/test_gpu_check.py`` runs that, so the script cannot rot. Each part catches its own
@@ -23,6 +28,7 @@ failure and reports it, so one broken part does not cost the others' numbers.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -41,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from infer.engine import LLM  # noqa: E402
+from infer.graphs import StaticForward  # noqa: E402
 from infer.kv_cache import KVCache  # noqa: E402
 from infer.models.llama import Llama, inference_layout  # noqa: E402
 from infer.models.loader import config_from_hf  # noqa: E402
@@ -149,10 +156,14 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> f
 def cuda_tests(plan: Plan) -> list[str]:
     if plan.device.type != "cuda":
         return ["skipped: no CUDA device (this is the CPU run of the script)"]
+    # only the modules that hold CUDA tests: collecting the whole suite would import the
+    # serving and logging stacks, which a bare GPU image may lack
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
+                   if "mark.cuda" in f.read_text())
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p",
-                           "no:cacheprovider", "tests"], cwd=ROOT, capture_output=True, text=True)
+                           "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-15:]
-    return [f"`pytest -m cuda`: exit {proc.returncode}", "```", *tail, "```"]
+    return [f"`pytest -m cuda {' '.join(files)}`: exit {proc.returncode}", "```", *tail, "```"]
 
 
 # ---- 2. decode throughput -------------------------------------------------------------------
@@ -170,45 +181,83 @@ def engine_tok_s(target: Target, plan: Plan, batch: int, eager: bool) -> float:
     prompts = [[(7 * i + j) % 500 + 1 for j in range(plan.prompt_len)] for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=plan.new_tokens, ignore_eos=True)
     seconds = timed(lambda: llm.generate(prompts, params), plan.device, repeats=3)
+    llm = None  # noqa: F841 - drop the engine before the next is built
+    release()  # its KV cache and graphs: six engines at 8B would not fit at once
     return batch * plan.new_tokens / seconds
 
 
-def hf_tok_s(shape: str, plan: Plan, batch: int) -> float:
+def hf_model(shape: str, plan: Plan):
+    """transformers' LlamaForCausalLM at ``shape``, built in the run's dtype on the device (an
+    fp32 8B copy would not fit beside ours)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = {k: v for k, v in hf_config(shape).items() if k not in ("architectures",
                                                                    "model_type")}
     with plan.device:
-        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(plan.dtype).eval()
+        model = LlamaForCausalLM._from_config(LlamaConfig(**cfg), dtype=plan.dtype)
+    return model.eval()
+
+
+def hf_tok_s(model, plan: Plan, batch: int, compiled: bool) -> float:
+    """``generate`` with a static cache; ``compiled``: transformers compiles the forward itself
+    (its default for a static cache on CUDA), else the same cache run eagerly."""
     ids = torch.randint(1, 500, (batch, plan.prompt_len), device=plan.device)
     kwargs = dict(max_new_tokens=plan.new_tokens, min_new_tokens=plan.new_tokens,
-                  do_sample=False, pad_token_id=0)
-    if plan.device.type == "cuda":
-        kwargs["cache_implementation"] = "static"
+                  do_sample=False, pad_token_id=0, cache_implementation="static",
+                  disable_compile=not compiled)
     seconds = timed(lambda: model.generate(ids, **kwargs), plan.device, repeats=3)
     return batch * plan.new_tokens / seconds
 
 
+def release() -> None:
+    """Free the last shape's models and caches before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def decode_part(plan: Plan, bandwidth: float) -> list[str]:
     rows = ["| shape | batch | engine tok/s (graphs) | engine tok/s (eager) | transformers "
-            "tok/s | roofline tok/s | engine / roofline |", "|---|---|---|---|---|---|---|"]
+            "tok/s (static cache, eager) | roofline tok/s | engine / roofline |",
+            "|---|---|---|---|---|---|---|"]
     cuda = plan.device.type == "cuda"
     for shape in plan.targets:
+        release()
         model = random_model(shape, plan)
         target = Target.wrap(tempfile.mkdtemp(), model, max_model_len=4096)
         wbytes, cfg = weight_bytes(model), model.config
         kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * plan.dtype.itemsize
+        hf = hf_model(shape, plan)
         for b in plan.batches:
             eager = engine_tok_s(target, plan, b, eager=True)
             graphs = engine_tok_s(target, plan, b, eager=False) if cuda else None
-            hf = hf_tok_s(shape, plan, b)
+            hf_eager = hf_tok_s(hf, plan, b, compiled=False)
             ctx = plan.prompt_len + plan.new_tokens / 2
             floor = (wbytes + b * ctx * kv_token) / bandwidth  # seconds per step
             best = graphs or eager
             rows.append(f"| {shape} | {b} | {f'{graphs:.0f}' if graphs else '-'} | {eager:.0f} "
-                        f"| {hf:.0f} | {b / floor:.0f} | {best * floor / b:.2f} |")
+                        f"| {hf_eager:.0f} | {b / floor:.0f} | {best * floor / b:.2f} |")
+            print(rows[-1], flush=True)  # a lease that ends mid-part keeps the rows done
+        del model, target, hf
     return rows + [f"\nCopy bandwidth measured: {bandwidth / 1e9:.0f} GB/s; roofline = "
                    "(weights + KV bytes at the mean context) per step over it."]
+
+
+def hf_compiled_part(plan: Plan) -> list[str]:
+    """transformers at its fastest: the static-cache forward compiled by ``generate`` itself.
+    Its own part, last among the decode numbers, because compiling an 8B forward per batch size
+    takes minutes: a lease that runs out here has the engine's numbers already."""
+    if plan.device.type != "cuda":
+        return ["skipped: transformers compiles its static-cache forward on CUDA only"]
+    rows = ["| shape | batch | transformers tok/s (static cache, compiled) |", "|---|---|---|"]
+    for shape in plan.targets:
+        release()
+        hf = hf_model(shape, plan)
+        for b in plan.batches:
+            rows.append(f"| {shape} | {b} | {hf_tok_s(hf, plan, b, compiled=True):.0f} |")
+            print(rows[-1], flush=True)
+        del hf
+    return rows
 
 
 # ---- 3. draft step costs --------------------------------------------------------------------
@@ -216,14 +265,21 @@ def decode_part(plan: Plan, bandwidth: float) -> list[str]:
 CONTEXT = 512  # tokens already in every cache row when a step is timed
 
 
-def step_seconds(module, cache: KVCache, make_inputs: Callable[[], tuple], plan: Plan,
-                 batch: int) -> float:
-    """Median seconds of one cached forward of ``module`` at ``CONTEXT`` tokens of context."""
+def step_seconds(module, cache: KVCache, inputs: tuple, plan: Plan, batch: int,
+                 graphs: bool) -> float:
+    """Median seconds of one cached forward of ``module`` at ``CONTEXT`` tokens of context;
+    ``graphs``: through the engine's StaticForward (replayed CUDA graphs on CUDA, the same
+    static-shape code run eagerly elsewhere), as the engine runs every step."""
     slots = torch.arange(batch, device=plan.device)
+    static = StaticForward(module, cache) if graphs else None
 
     def once() -> None:
         cache.truncate(slots, CONTEXT)  # the same context every time
-        module(*make_inputs(), cache)
+        if static is None:
+            module(*inputs, cache)
+        else:
+            static(*inputs, slots=list(range(batch)), index=slots,
+                   max_len=CONTEXT + inputs[0].shape[1])
     with torch.inference_mode():
         return timed(once, plan.device, repeats=10)
 
@@ -250,24 +306,30 @@ def draft_costs(plan: Plan) -> list[str]:
     draft = random_model(plan.draft, plan)
     head = eagle3_head(target, plan)
     h = target.config.hidden_size
-    rows = ["| batch | target step ms | EAGLE-3 head step ms | head / target | target verify "
-            "(k+1=4) ms | PARD draft (k=3) ms | PARD / verify |", "|---|---|---|---|---|---|---|"]
+    rows = ["| batch | target step ms (eager / graphs) | EAGLE-3 head step ms (eager / graphs) "
+            "| head / target (graphs) | target verify k+1=4 ms (graphs) | PARD draft k=3 ms "
+            "(graphs) | PARD / verify (graphs) |", "|---|---|---|---|---|---|---|"]
     for b in [x for x in plan.batches if x <= 8]:
-        def cache(model_cfg):
-            return KVCache.for_model(model_cfg, b, CONTEXT + 8, dtype=plan.dtype,
-                                     device=plan.device)
         ids = torch.ones(b, 1, dtype=torch.long, device=plan.device)
         ids4 = torch.ones(b, 4, dtype=torch.long, device=plan.device)
         hid = torch.zeros(b, 1, h, dtype=plan.dtype, device=plan.device)
-        tgt = step_seconds(target, cache(target.config), lambda: (ids,), plan, b)
-        hd = step_seconds(head, cache(head.layer_config), lambda: (ids, hid), plan, b)
-        ver = step_seconds(target, cache(target.config), lambda: (ids4,), plan, b)
-        pard = step_seconds(draft, cache(draft.config), lambda: (ids4[:, :3],), plan, b)
-        rows.append(f"| {b} | {tgt * 1e3:.2f} | {hd * 1e3:.2f} | {hd / tgt:.2f} | "
-                    f"{ver * 1e3:.2f} | {pard * 1e3:.2f} | {pard / ver:.2f} |")
+
+        def cost(module, model_cfg, inputs, graphs=True) -> float:
+            cache = KVCache.for_model(model_cfg, b, CONTEXT + 8, dtype=plan.dtype,
+                                      device=plan.device)
+            return step_seconds(module, cache, inputs, plan, b, graphs)
+        tgt_e, tgt = cost(target, target.config, (ids,), False), cost(target, target.config, (ids,))
+        hd_e, hd = cost(head, head.layer_config, (ids, hid), False), cost(head, head.layer_config,
+                                                                          (ids, hid))
+        ver = cost(target, target.config, (ids4,))
+        pard = cost(draft, draft.config, (ids4[:, :3],))
+        rows.append(f"| {b} | {tgt_e * 1e3:.2f} / {tgt * 1e3:.2f} | {hd_e * 1e3:.2f} / "
+                    f"{hd * 1e3:.2f} | {hd / tgt:.2f} | {ver * 1e3:.2f} | {pard * 1e3:.2f} | "
+                    f"{pard / ver:.2f} |")
     return rows + [f"\nTarget {plan.targets[-1]}, EAGLE-3 head shaped for it (one layer, "
                    f"{head.config.draft_vocab_size}-row LM head), PARD draft {plan.draft}; "
-                   f"{CONTEXT} tokens of context; eager forwards (no CUDA graphs)."]
+                   f"{CONTEXT} tokens of context. Graphs: the engine's StaticForward (CUDA "
+                   "graphs on CUDA; on the CPU the same static-shape path, eagerly)."]
 
 
 # ---- 4. the Triton sampler on device ----------------------------------------------------------
@@ -353,16 +415,23 @@ def header(plan: Plan, quick: bool) -> str:
             f"{str(plan.dtype).removeprefix('torch.')}, random weights.\n")
 
 
-def run(device: str, quick: bool) -> str:
+PARTS: dict[str, tuple[str, Callable[[Plan], list[str]]]] = {
+    "tests": ("CUDA tests", cuda_tests),
+    "decode": ("Decode throughput against transformers and the roofline",
+               lambda plan: decode_part(plan, copy_bandwidth(plan))),
+    "draft": ("Draft step costs", draft_costs),
+    "triton": ("Triton rejection sampler on device", triton_sampler),
+    "train": ("One EAGLE-3 training step", training_step),
+    "hf-compiled": ("Decode throughput of transformers compiled", hf_compiled_part),
+}
+
+
+def run(device: str, quick: bool, parts: list[str]) -> str:
     plan = Plan.for_device(device, quick)
     report = Report()
-    report.part("CUDA tests", lambda: cuda_tests(plan))
-    bandwidth = copy_bandwidth(plan)
-    report.part("Decode throughput against transformers and the roofline",
-                lambda: decode_part(plan, bandwidth))
-    report.part("Draft step costs", lambda: draft_costs(plan))
-    report.part("Triton rejection sampler on device", lambda: triton_sampler(plan))
-    report.part("One EAGLE-3 training step", lambda: training_step(plan))
+    for name in parts:
+        title, body = PARTS[name]
+        report.part(title, lambda body=body: body(plan))
     return header(plan, quick) + "\n".join(report.lines) + "\n"
 
 
@@ -371,12 +440,19 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and batch sizes")
     ap.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated, run in this order (default: all of {','.join(PARTS)}); "
+                         "one process per part keeps a slow part from costing the others")
     args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; expected some of {list(PARTS)}")
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":  # Triton kernels run through its interpreter (before any is imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    text = run(device, args.quick)
+    text = run(device, args.quick, parts)
     print(text)
     if args.record:
         with (ROOT / "docs" / "benchmarks.md").open("a") as f:

@@ -54,8 +54,9 @@ def test_graph_step_does_not_sync(tiny_target):
     ids = torch.tensor([[5], [7]], device="cuda")  # [B, 1]
     index = torch.tensor([2, 0], device="cuda")
 
-    def step():
-        return llm.static_forward(ids, slots=[2, 0], index=index, max_len=16)
+    def step():  # as the engine calls it: inside inference mode, where its buffers were made
+        with torch.inference_mode():
+            return llm.static_forward(ids, slots=[2, 0], index=index, max_len=16)
 
     step()  # captures this shape (capture itself synchronises)
     torch.cuda.synchronize()
