@@ -44,7 +44,7 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
         return target, None
     from train.tiny.examples import heldout_prompts
 
-    n = cfg.eval.num_prompts if cfg.mode == "eval" else cfg.num_prompts
+    n = cfg.eval.prompts_needed() if cfg.mode == "eval" else cfg.num_prompts
     return target, heldout_prompts(n, seed=cfg.seed)
 
 

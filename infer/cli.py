@@ -151,7 +151,7 @@ def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> lis
     ev = cfg.eval
     tokenizer = load_tokenizer(cfg.tokenizer or model, required=cfg.tokenizer is not None)
     if ev.dataset:
-        return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
+        return load_prompts(ev.dataset, num=ev.prompts_needed(), split=ev.dataset_split,
                             subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
                             template_kwargs=ev.chat_template_kwargs)
     if default is None:
@@ -159,7 +159,7 @@ def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> lis
                           "directory or hub id) with model=...")
     return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat,
                           ev.chat_template_kwargs)
-            if isinstance(p, str) else p for p in list(default)[: ev.num_prompts]]
+            if isinstance(p, str) else p for p in list(default)[: ev.prompts_needed()]]
 
 
 def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
@@ -183,7 +183,8 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
                              max_model_len=cfg.max_model_len, ignore_eos=ev.ignore_eos,
                              warmup=ev.warmup, num_threads=cfg.num_threads,
                              engine=str(ev.engine.value), vllm_python=ev.vllm_python,
-                             tensor_parallel_size=ev.tensor_parallel_size)
+                             tensor_parallel_size=ev.tensor_parallel_size,
+                             num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot)
     finally:
         logger.finish()
     print(render_markdown(report))

@@ -95,9 +95,15 @@ class EvalConfig:
     max_tokens: int = 64
     """Tokens generated per prompt."""
     num_prompts: int = 16
-    """Prompts taken from the prompt set. Twice the largest batch size: all requests of a batch
-    start together, and with no queue to refill it the slowest request sets the run's end (at
-    batch 8 with 8 prompts that cost a learned drafter ~15 % of its speedup)."""
+    """Prompts of a batch-1 run (taken from the start of the prompt set)."""
+    requests_per_slot: int = 8
+    """A batch-B run serves max(num_prompts, requests_per_slot x B) prompts, so every slot is
+    refilled several times. A closed set of requests ends in a drain: those admitted last
+    finish one by one while the batch empties, and a speculative run's requests finish at
+    different steps (their acceptance differs by prompt) where autoregressive ones finish
+    together. With 2 requests per slot the drain took ~20 % of the trained EAGLE-3 head's
+    batch-8 steps, with 8 ~4 % (docs/benchmarks.md); a server kept at that concurrency has
+    none. 0: num_prompts at every batch size."""
     dataset: Optional[str] = None
     """json/jsonl/csv/parquet file, dataset folder or hub id; None: the held-out code prompts."""
     dataset_split: str = "test"
@@ -134,6 +140,10 @@ class EvalConfig:
         """Every key, named ``eval.KEY``, before any work starts: train.py would otherwise meet
         a bad ``eval.ks`` or method only after the whole training run."""
         check_fields(self, "eval", _EVAL_RULES, where)
+
+    def prompts_needed(self) -> int:
+        """Prompts to load: the largest batch size's run takes the most."""
+        return max([self.num_prompts] + [self.requests_per_slot * b for b in self.batch_sizes])
 
 
 @dataclass
@@ -267,6 +277,7 @@ _EVAL_RULES = {
     "temperatures": partial(check_list, item=partial(check_float, low=0.0)),
     "batch_sizes": partial(check_list, item=partial(check_int, minimum=1)),
     "max_tokens": partial(check_int, minimum=1), "num_prompts": partial(check_int, minimum=1),
+    "requests_per_slot": partial(check_int, minimum=0),
     "dataset": _opt_str, "dataset_split": check_str, "dataset_subset": _opt_str,
     "chat": partial(check_bool, optional=True), "chat_template_kwargs": _check_mapping,
     "ignore_eos": check_bool, "warmup": check_bool, "output_dir": _opt_str,

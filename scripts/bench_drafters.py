@@ -93,7 +93,7 @@ def main() -> None:
     configs = [HarnessConfig(spec, k, method=label) for label, spec in methods for k in args.ks
                if k <= max_k(spec)]
     cfg = compose_recipe(args.recipes[0], None)
-    cfg.eval.num_prompts = args.prompts
+    cfg.eval.num_prompts, cfg.eval.requests_per_slot = args.prompts, 0  # batch 1 only
     report = run_harness(target, configs, eval_prompts(cfg, target), max_tokens=args.max_tokens,
                          output_dir=OUT / "harness", device="cpu", ignore_eos=True)
     text = render(args, train_rows, report)

@@ -337,7 +337,7 @@ def evaluate(info: dict, heads: dict[str, Path], eval_dir: Path, num_prompts: in
     from train.evaluate import eval_prompts
 
     cfg = compose([f"output_dir={eval_dir.parent / 'shared'}", f"eval.num_prompts={num_prompts}",
-                   f"seed={seed}"])
+                   "eval.requests_per_slot=0", f"seed={seed}"])
     configs = [HarnessConfig({"method": "eagle3", "model": str(path)}, k=3, temperature=0.0,
                              batch_size=8, method=name) for name, path in heads.items()]
     report = run_harness(info["target_dir"], configs, eval_prompts(cfg, info["target_dir"]),

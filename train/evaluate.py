@@ -32,11 +32,11 @@ def eval_prompts(cfg: TrainConfig, target_dir: str) -> list[Any]:
     tokenizer = load_tokenizer(target_dir, key="target.path")
     kwargs = template_kwargs(cfg)
     if ev.dataset:
-        return load_prompts(ev.dataset, num=ev.num_prompts, split=ev.dataset_split,
+        return load_prompts(ev.dataset, num=ev.prompts_needed(), split=ev.dataset_split,
                             subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
                             template_kwargs=kwargs)
     return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat, kwargs)
-            for p in heldout_prompts(ev.num_prompts, seed=cfg.seed)]
+            for p in heldout_prompts(ev.prompts_needed(), seed=cfg.seed)]
 
 
 def template_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -90,7 +90,8 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
                          ignore_eos=ev.ignore_eos, warmup=ev.warmup, step=step, prefix="eval",
                          num_threads=cfg.trainer.num_threads, engine=str(ev.engine.value),
                          vllm_python=ev.vllm_python,
-                         tensor_parallel_size=ev.tensor_parallel_size)
+                         tensor_parallel_size=ev.tensor_parallel_size,
+                         num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot)
     print(summary(report))
     print(f"acceptance report: {out}/results.md")
     return report

@@ -214,13 +214,21 @@ class _Matrix:
     ignore_eos: bool
     warmup: bool
     vllm: VllmEngine | None = None  # eval.engine=vllm: every run goes there instead
+    num_prompts: int = 0  # prompts of a batch-1 run; 0: all
+    requests_per_slot: int = 0  # a batch-B run takes at least this many per slot
     baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = field(default_factory=dict)
 
+    def prompts_at(self, batch: int) -> list:
+        """The first max(num_prompts, requests_per_slot x batch) prompts: each slot is refilled
+        several times, so the drain at the end of a closed set of requests stays small."""
+        return self.prompts[: max(self.num_prompts or len(self.prompts),
+                                  self.requests_per_slot * batch)]
+
     def measure(self, spec: SpeculativeConfig | None, temperature: float, batch: int) -> _Run:
-        params = self.params(temperature)
+        params, prompts = self.params(temperature), self.prompts_at(batch)
         if self.vllm is None:
-            return _measure(self.engine, spec, self.prompts, params, batch, self.warmup)
-        ids = [r.prompt_ids for r in make_requests(self.prompts, params, self.engine.target)]
+            return _measure(self.engine, spec, prompts, params, batch, self.warmup)
+        ids = [r.prompt_ids for r in make_requests(prompts, params, self.engine.target)]
         return _measure_vllm(self.vllm, spec, ids, params, batch, self.warmup)
 
     def params(self, temperature: float) -> SamplingParams:
@@ -233,7 +241,7 @@ class _Matrix:
             steps, c_ar = ((run.timers.step.calls, run.timers.step.median) if run.timers
                            else (0, 0.0))
             base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, steps, c_ar,
-                            run.cpu.other_cores)
+                            run.cpu.other_cores, len(run.outputs))
             log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
             self.baselines[(batch, temp)] = (base, run)
         return self.baselines[(batch, temp)]
@@ -260,8 +268,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                 max_model_len: int | None = None, ignore_eos: bool = False, warmup: bool = True,
                 step: int | None = None, prefix: str = "eval",
                 num_threads: int | None = None, engine: str = "draftsmith",
-                vllm_python: str | None = None,
-                tensor_parallel_size: int = 1) -> HarnessReport:
+                vllm_python: str | None = None, tensor_parallel_size: int = 1,
+                num_prompts: int | None = None, requests_per_slot: int = 0) -> HarnessReport:
     """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
 
     ``target``: a model directory (loaded once with device / dtype / max_model_len) or a loaded
@@ -271,7 +279,9 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     (infer/threads.py; None: one per free core). ``engine="vllm"`` runs every configuration
     on vLLM instead (infer/eval/vllm_engine.py: ``vllm_python`` None = vLLM importable here,
     ``tensor_parallel_size`` for targets beyond one device); the target is then still loaded
-    here once, for its tokenizer. Returns the report.
+    here once, for its tokenizer. A batch-B run takes the first max(``num_prompts`` (None: all),
+    ``requests_per_slot`` x B) of ``prompts`` (EvalConfig.requests_per_slot says why). Returns
+    the report.
     """
     configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
     prompts = list(prompts)
@@ -285,7 +295,9 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                      max_model_len=max_model_len, num_threads=num_threads)  # forked per run
     vllm = _vllm_engine(engine, engine_llm.target.path, vllm_python, tensor_parallel_size,
                         max_model_len, dtype, seed)
-    matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm)
+    matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm,
+                     num_prompts or len(prompts), requests_per_slot)
+    _warn_short(matrix, configs)
     results = []
     for cfg in configs:
         results.append(matrix.row(cfg))
@@ -297,7 +309,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         target=engine_llm.target.path,
         baselines=[b for b, _ in matrix.baselines.values()], results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        settings={"max_tokens": max_tokens, "num_prompts": len(prompts), "ignore_eos": ignore_eos,
+        settings={"max_tokens": max_tokens, "num_prompts": matrix.num_prompts,
+                  "requests_per_slot": requests_per_slot, "ignore_eos": ignore_eos,
                   "device": matrix.device, "dtype": dtype, "seed": seed, "warmup": warmup,
                   "engine": engine, "tensor_parallel_size": tensor_parallel_size,
                   "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -308,6 +321,16 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         write_report(report, output_dir)
     log_report(report, logger, step=step, prefix=prefix)
     return report
+
+
+def _warn_short(matrix: _Matrix, configs: Sequence[HarnessConfig]) -> None:
+    """A prompt set too small for requests_per_slot at some batch size: say so, run with it."""
+    for batch in sorted({c.batch_size for c in configs}):
+        want = matrix.requests_per_slot * batch
+        if want > len(matrix.prompts):
+            log.warning("batch %d: %d requests per slot want %d prompts, the prompt set has %d; "
+                        "its runs end in a longer drain", batch, matrix.requests_per_slot, want,
+                        len(matrix.prompts))
 
 
 def _vllm_engine(engine: str, target: str, python: str | None, tp: int,
@@ -383,4 +406,5 @@ def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, base: Baseli
         c_step_s=t.step.median if t else 0.0, c_draft_s=c_draft, c_verify_s=c_verify,
         c_verify_forward_s=t.verify.median if t else 0.0, steps=t.step.calls if t else 0,
         draft_sample_method=spec.draft_sample_method, other_cores=run.cpu.other_cores,
-        lossless=lossless, mismatched_prompts=mismatched, num_errors=run.errors)
+        lossless=lossless, mismatched_prompts=mismatched, num_errors=run.errors,
+        num_prompts=len(run.outputs))

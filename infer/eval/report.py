@@ -88,11 +88,20 @@ def render_markdown(report: HarnessReport) -> str:
     return "\n".join(lines)
 
 
+def _prompts(report: HarnessReport) -> str:
+    """``16 prompts`` or ``16 prompts at batch 1, 64 at batch 8`` (requests_per_slot)."""
+    counts = sorted({(r.batch_size, r.num_prompts) for r in report.results if r.num_prompts})
+    if len({n for _, n in counts}) <= 1:
+        return f"{report.settings['num_prompts']} prompts"
+    return ", ".join(f"{n} prompts at batch {b}" if i == 0 else f"{n} at batch {b}"
+                     for i, (b, n) in enumerate(counts))
+
+
 def _header(report: HarnessReport) -> list[str]:
     s = report.settings
     machine = s.get("machine") or {}
     lines = ["# Acceptance evaluation", "",
-             f"Target `{report.target}`, {s['num_prompts']} prompts, max_tokens "
+             f"Target `{report.target}`, {_prompts(report)}, max_tokens "
              f"{s['max_tokens']}, device {s['device']}, {s.get('torch_threads')} torch threads, "
              f"{machine.get('usable_cores', '?')} usable cores, load average "
              f"{machine.get('load_average')} at the start, created {report.created}.", ""]

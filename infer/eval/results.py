@@ -2,13 +2,14 @@
 
 results.json keys (``schema_version`` 2; documented in docs/harness.md):
 
-- top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts,
-  ignore_eos, device (resolved), dtype, seed, warmup, torch, torch_threads, machine: cpu_count,
-  usable_cores, load_average, torch_threads, torch_interop_threads), ``baselines``,
+- top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts
+  (of a batch-1 run), requests_per_slot, ignore_eos, device (resolved), dtype, seed, warmup,
+  torch, torch_threads, machine: cpu_count, usable_cores, load_average, torch_threads,
+  torch_interop_threads), ``baselines``,
   ``results``, ``advisor``, ``recommended_k`` (method -> k), ``lossless`` (false iff any greedy
   row mismatched), ``files`` (markdown and plot file names).
 - ``baselines[]``: ``batch_size``, ``temperature``, ``tok_s``, ``tokens``, ``seconds``,
-  ``steps``, ``c_ar_s``, ``other_cores``.
+  ``steps``, ``c_ar_s``, ``other_cores``, ``num_prompts`` (requests of the run).
 - ``results[]``: ``method`` (the label), ``speculative_config`` (resolved, vLLM schema), ``k``,
   ``temperature``, ``batch_size``, ``acceptance_length``, ``acceptance_rate``, ``per_position``
   (k rates), ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
@@ -18,7 +19,8 @@ results.json keys (``schema_version`` 2; documented in docs/harness.md):
   ``c_verify_forward_s``, ``steps``, ``lossless`` (bool; null for sampled rows),
   ``mismatched_prompts`` (prompt indices), ``num_errors``, ``draft_sample_method`` (greedy or
   probabilistic drafts), ``other_cores`` (cores other processes kept busy during the timed run;
-  null where the machine cannot tell).
+  null where the machine cannot tell), ``num_prompts`` (requests of the run: a batch-B run
+  serves max(num_prompts, requests_per_slot x B)).
 - ``advisor[]``: ``method``, ``batch_size``, ``temperature``, ``measured_ks``,
   ``recommended_k``, ``predicted_speedup``, ``candidates[]`` (``k``, ``expected_accepted``,
   ``cost_draft``, ``cost_verify``, ``predicted_speedup``).
@@ -44,6 +46,7 @@ class Baseline:
     steps: int
     c_ar_s: float
     other_cores: float | None = None  # cores other processes kept busy meanwhile (machine.py)
+    num_prompts: int = 0  # requests of the run (results.json before it: unknown, 0)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class ConfigResult:
     num_errors: int = 0
     draft_sample_method: str = "greedy"  # how drafts were made (greedy, or sampled for p/q)
     other_cores: float | None = None  # cores other processes kept busy during the timed run
+    num_prompts: int = 0  # requests of the run (results.json before it: unknown, 0)
 
     @property
     def contended(self) -> bool:

@@ -314,13 +314,17 @@ def test_infer_mode_eval(tiny_target, tmp_path):
         dcfg = compose("infer", overrides=[
             "mode=eval", f"model={tiny_target}", "device=cpu", f"eval.dataset={data}",
             "eval.methods=[{method: ngram, prompt_lookup_min: 1}]", "eval.ks=[2]",
-            "eval.max_tokens=8", "eval.num_prompts=2", f"eval.output_dir={tmp_path / 'out'}"])
+            "eval.max_tokens=8", "eval.num_prompts=2", "eval.requests_per_slot=1",
+            f"eval.output_dir={tmp_path / 'out'}"])
     cfg = OmegaConf.to_object(dcfg)
     assert check_mode(cfg) == "eval" and cfg.eval.logger == "none"
     prompts = eval_prompts(cfg, cfg.model, None)
-    assert prompts == PROMPTS[:2]
+    assert prompts == PROMPTS  # batch 8 wants 8 requests: the whole (short) set
     report = run_eval(cfg, cfg.model, prompts)
-    assert report.results[0].method == "ngram" and report.results[0].lossless is True
+    served = {(r.batch_size, r.temperature): r.num_prompts for r in report.results}
+    assert served == {(1, 0.0): 2, (1, 1.0): 2, (8, 0.0): 3, (8, 1.0): 3}
+    greedy = [r for r in report.results if r.temperature == 0.0]
+    assert all(r.method == "ngram" and r.lossless is True for r in greedy)
     assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"][
         "num_prompts"] == 2
     cfg.mode = "train"
@@ -343,6 +347,31 @@ def test_harness_loads_the_target_once(tiny_target, monkeypatch):
                          PROMPTS, max_tokens=4, device="cpu", warmup=False)
     assert len(report.results) == 4 and len(report.baselines) == 2
     assert len(loads) == 1
+
+
+def test_batch_runs_take_requests_per_slot(tiny_target, caplog):
+    """A batch-B run serves max(num_prompts, requests_per_slot x B) prompts (its baseline the
+    same ones); a prompt set too short for that is used whole, with a warning."""
+    from infer.eval.report import render_markdown
+
+    many = PROMPTS * 2  # six prompts (repeats are fine for ngram's acceptance here)
+    with caplog.at_level(logging.WARNING):
+        report = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [2],
+                                           "batch_sizes": [1, 2, 4]},
+                             many, max_tokens=4, device="cpu", warmup=False, num_prompts=1,
+                             requests_per_slot=2)
+    served = {r.batch_size: r.num_prompts for r in report.results}
+    assert served == {1: 2, 2: 4, 4: 6}  # batch 4 wants 8: the set has 6
+    assert {b.batch_size: b.num_prompts for b in report.baselines} == served
+    assert all(sum(1 for _ in r.mismatched_prompts) == 0 for r in report.results)
+    assert "batch 4: 2 requests per slot want 8 prompts, the prompt set has 6" in caplog.text
+    assert "batch 2" not in caplog.text
+    assert report.settings["num_prompts"] == 1 and report.settings["requests_per_slot"] == 2
+    assert "2 prompts at batch 1, 4 at batch 2, 6 at batch 4" in render_markdown(report)
+    whole = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [2],
+                                      "batch_sizes": [2]}, PROMPTS, max_tokens=4, device="cpu",
+                        warmup=False)  # defaults: every prompt at every batch size
+    assert [r.num_prompts for r in whole.results] == [len(PROMPTS)]
 
 
 def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
