@@ -279,7 +279,7 @@ class LLM:
             logits, proposal.draft_ids, proposal.draft_probs, temperature=temperature,
             method=method, top_k=top_k, top_p=top_p, generator=generator,
             synthetic_acceptance_rate=(self.spec.synthetic_acceptance_rate
-                                       if method == "synthetic" else None))
+                                       if method == "synthetic" else None), draw_k=self.k)
 
     def _verify(self, inputs: torch.Tensor, reqs: list[Request], slots: torch.Tensor,
                 num_tokens: torch.Tensor) -> ModelOutput:
@@ -304,7 +304,8 @@ class LLM:
 
     def _propose(self, reqs: list[Request], temperature, top_k, top_p,
                  generator: Generator) -> Proposal:
-        """Drafts ``[B, k]`` clipped per request to what max_tokens and the cache can take."""
+        """Drafts ``[B, w <= k]`` clipped per request to what max_tokens and the cache can take
+        (lookup proposers return only as many columns as their longest draft)."""
         if self.proposer is None or self.k == 0:
             return Proposal(torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
         batch = DraftBatch([r.slot for r in reqs], [r.tokens for r in reqs], self.k,
@@ -314,7 +315,8 @@ class LLM:
                               device=self.device)  # [B], copied before the drafts are queued
         with _measure(self.timers and self.timers.draft):
             proposal = self.proposer.propose(batch)
-        over = torch.arange(self.k, device=self.device)[None, :] >= limits[:, None]  # [B, k]
+        width = proposal.draft_ids.shape[1]
+        over = torch.arange(width, device=self.device)[None, :] >= limits[:, None]  # [B, w]
         proposal.draft_ids = proposal.draft_ids.masked_fill(over, -1)
         return proposal
 

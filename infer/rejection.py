@@ -63,13 +63,16 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                      top_p: float | torch.Tensor | None = None,
                      generator: Generator = None,
                      synthetic_acceptance_rate: Optional[float] = None,
-                     impl: str = "auto") -> torch.Tensor:
+                     impl: str = "auto", draw_k: int = 0) -> torch.Tensor:
     """Verify drafts against the target; returns ``[batch, k + 1]`` long (see module docstring).
 
     target_logits ``[batch, k + 1, vocab]``; draft_token_ids ``[batch, k]`` with a -1 suffix
     where a row drafted fewer than k tokens; draft_probs ``[batch, k, vocab]`` (probabilistic
     only; ignored otherwise). temperature / top_k / top_p: scalars or ``[batch]`` tensors.
     impl: "auto" (Triton on CUDA when importable, else torch), "torch" or "triton".
+    draw_k: draw uniforms as for ``max(k, draw_k)`` drafts and use the first k: the engine
+    passes its k, so a seeded request's random stream does not depend on how many tokens the
+    other requests of its batch drafted (lookup proposers trim the batch to its longest draft).
     """
     _validate(target_logits, draft_token_ids, draft_probs, temperature, method, top_k, top_p,
               synthetic_acceptance_rate, impl)
@@ -85,7 +88,9 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     accept_prob = None
     if method == "synthetic":
         accept_prob = synthetic_accept_probs(num_drafts, synthetic_acceptance_rate, k)  # [batch]
-    uniforms, noise = draw_randomness(probs.shape[0], k, probs.shape[2], probs.device, generator)
+    uniforms, noise = draw_randomness(probs.shape[0], max(k, draw_k), probs.shape[2],
+                                      probs.device, generator)
+    uniforms = uniforms[:, :k].contiguous()  # [batch, k]
     core = _pick_core(impl, probs)
     return core(probs, draft_ids, num_drafts, uniforms, noise, q, accept_prob)
 

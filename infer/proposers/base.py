@@ -194,8 +194,12 @@ def aux_features(target_output: ModelOutput, want: tuple[int, ...], method: str)
 
 
 def pad_drafts(drafts: list[list[int]], k: int, device: torch.device) -> torch.Tensor:
-    """Lists of up to k token ids -> ``[batch, k]`` long with -1 padding."""
-    out = torch.full((len(drafts), k), -1, dtype=torch.long)
+    """Lists of up to k token ids -> ``[batch, w]`` long with -1 padding, ``w`` the longest
+    draft (0 when none drafted). The verify forward runs over ``w + 1`` tokens, so a step where
+    a lookup proposer found nothing costs one autoregressive step, not a ``k + 1``-token
+    forward (as in vLLM, whose ragged batches carry no padding)."""
+    width = max((min(len(ids), k) for ids in drafts), default=0)
+    out = torch.full((len(drafts), width), -1, dtype=torch.long)
     for row, ids in enumerate(drafts):
         ids = ids[:k]
         if ids:

@@ -58,3 +58,25 @@ def test_abort_a_waiting_request_and_generate_while_busy(loopy_target):
     refused = _request(llm, 2, [], max_tokens=5)
     llm.add_request(refused)  # refused at construction: never queued
     assert not llm.has_unfinished_requests() and refused.finish_reason == "error"
+
+
+def test_verify_spans_only_the_longest_draft(loopy_target):
+    """A lookup proposer's step verifies 1 + its batch's longest draft: a step where nothing
+    matched is one token through the target (an autoregressive step), not k + 1."""
+    llm = LLM(loopy_target, {"method": "ngram", "num_speculative_tokens": 3,
+                             "prompt_lookup_min": 2, "prompt_lookup_max": 2})
+    widths = []
+    forward = llm.target.model.forward
+
+    def spy(input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[1])
+        return forward(input_ids, *args, **kwargs)
+    llm.target.model.forward = spy
+    prompt = [5, 6, 7, 8, 9, 10, 11]  # no bigram repeats: the first steps draft nothing
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    steps = widths[1:]  # after the prefill
+    assert steps[0] == 1 and max(steps) == 4  # nothing matched yet; later, full drafts
+    # columns beyond a draft exist only where max_tokens clipped it near the end
+    assert sum(w - 1 for w in steps) >= out[0].metrics["num_draft_tokens"] > 0
+    assert out[0].token_ids == LLM(loopy_target).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
