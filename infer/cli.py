@@ -184,7 +184,8 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
                              warmup=ev.warmup, num_threads=cfg.num_threads,
                              engine=str(ev.engine.value), vllm_python=ev.vllm_python,
                              tensor_parallel_size=ev.tensor_parallel_size,
-                             num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot)
+                             num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot,
+                             repeats=ev.repeats)
     finally:
         logger.finish()
     print(render_markdown(report))

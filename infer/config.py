@@ -119,6 +119,11 @@ class EvalConfig:
     """Generate max_tokens per prompt even past EOS."""
     warmup: bool = True
     """Untimed warm-up before each timed run (on CUDA: the whole run, to capture graphs)."""
+    repeats: int = 1
+    """Timed runs of each configuration, each right after an autoregressive run of its own
+    (same batch size, temperature and prompts): the row's speedup is the median of these paired
+    ratios. A shared machine moves throughput by tens of percent between runs minutes apart,
+    which one baseline per cell passes on to every row; 3 makes a verdict there."""
     engine: EvalEngine = EvalEngine.draftsmith
     """draftsmith: this engine; vllm: every configuration on vLLM (targets beyond one device,
     or the deployment engine's numbers; infer/eval/vllm_engine.py)."""
@@ -277,7 +282,7 @@ _EVAL_RULES = {
     "temperatures": partial(check_list, item=partial(check_float, low=0.0)),
     "batch_sizes": partial(check_list, item=partial(check_int, minimum=1)),
     "max_tokens": partial(check_int, minimum=1), "num_prompts": partial(check_int, minimum=1),
-    "requests_per_slot": partial(check_int, minimum=0),
+    "requests_per_slot": partial(check_int, minimum=0), "repeats": partial(check_int, minimum=1),
     "dataset": _opt_str, "dataset_split": check_str, "dataset_subset": _opt_str,
     "chat": partial(check_bool, optional=True), "chat_template_kwargs": _check_mapping,
     "ignore_eos": check_bool, "warmup": check_bool, "output_dir": _opt_str,

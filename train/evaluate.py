@@ -91,7 +91,8 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
                          num_threads=cfg.trainer.num_threads, engine=str(ev.engine.value),
                          vllm_python=ev.vllm_python,
                          tensor_parallel_size=ev.tensor_parallel_size,
-                         num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot)
+                         num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot,
+                         repeats=ev.repeats)
     print(summary(report))
     print(f"acceptance report: {out}/results.md")
     return report

@@ -216,6 +216,7 @@ class _Matrix:
     vllm: VllmEngine | None = None  # eval.engine=vllm: every run goes there instead
     num_prompts: int = 0  # prompts of a batch-1 run; 0: all
     requests_per_slot: int = 0  # a batch-B run takes at least this many per slot
+    repeats: int = 1  # timed runs per configuration, each paired with an autoregressive one
     baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = field(default_factory=dict)
 
     def prompts_at(self, batch: int) -> list:
@@ -251,10 +252,23 @@ class _Matrix:
         spec = cfg.spec()
         run = self.measure(spec, cfg.temperature, cfg.batch_size)
         row = _result(cfg, spec, run, base, ar)
+        if self.repeats > 1:
+            row.speedup_runs = [row.speedup] + self._paired_speedups(spec, cfg)
+            row.speedup = statistics.median(row.speedup_runs)
         log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
                  row.method, row.k, row.temperature, row.batch_size, row.acceptance_length,
                  row.speedup, row.predicted_speedup)
         return row
+
+    def _paired_speedups(self, spec: SpeculativeConfig, cfg: HarnessConfig) -> list[float]:
+        """``repeats - 1`` more (autoregressive, speculative) pairs, alternated: each ratio
+        compares two runs seconds apart, so a slow minute of the machine hits both."""
+        ratios = []
+        for _ in range(self.repeats - 1):
+            ar = self.measure(None, cfg.temperature, cfg.batch_size)
+            run = self.measure(spec, cfg.temperature, cfg.batch_size)
+            ratios.append(run.tok_s / ar.tok_s if ar.tok_s else 0.0)
+        return ratios
 
     @property
     def device(self) -> str:
@@ -269,7 +283,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                 step: int | None = None, prefix: str = "eval",
                 num_threads: int | None = None, engine: str = "draftsmith",
                 vllm_python: str | None = None, tensor_parallel_size: int = 1,
-                num_prompts: int | None = None, requests_per_slot: int = 0) -> HarnessReport:
+                num_prompts: int | None = None, requests_per_slot: int = 0,
+                repeats: int = 1) -> HarnessReport:
     """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
 
     ``target``: a model directory (loaded once with device / dtype / max_model_len) or a loaded
@@ -280,8 +295,9 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     on vLLM instead (infer/eval/vllm_engine.py: ``vllm_python`` None = vLLM importable here,
     ``tensor_parallel_size`` for targets beyond one device); the target is then still loaded
     here once, for its tokenizer. A batch-B run takes the first max(``num_prompts`` (None: all),
-    ``requests_per_slot`` x B) of ``prompts`` (EvalConfig.requests_per_slot says why). Returns
-    the report.
+    ``requests_per_slot`` x B) of ``prompts`` (EvalConfig.requests_per_slot says why).
+    ``repeats`` > 1: each row's speedup is the median over that many (autoregressive,
+    speculative) run pairs (EvalConfig.repeats). Returns the report.
     """
     configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
     prompts = list(prompts)
@@ -296,7 +312,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     vllm = _vllm_engine(engine, engine_llm.target.path, vllm_python, tensor_parallel_size,
                         max_model_len, dtype, seed)
     matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm,
-                     num_prompts or len(prompts), requests_per_slot)
+                     num_prompts or len(prompts), requests_per_slot, repeats)
     _warn_short(matrix, configs)
     results = []
     for cfg in configs:
@@ -310,7 +326,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         baselines=[b for b, _ in matrix.baselines.values()], results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         settings={"max_tokens": max_tokens, "num_prompts": matrix.num_prompts,
-                  "requests_per_slot": requests_per_slot, "ignore_eos": ignore_eos,
+                  "requests_per_slot": requests_per_slot, "repeats": repeats,
+                  "ignore_eos": ignore_eos,
                   "device": matrix.device, "dtype": dtype, "seed": seed, "warmup": warmup,
                   "engine": engine, "tensor_parallel_size": tensor_parallel_size,
                   "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

@@ -97,6 +97,12 @@ def _prompts(report: HarnessReport) -> str:
                      for i, (b, n) in enumerate(counts))
 
 
+def _repeats(settings: dict) -> str:
+    n = settings.get("repeats", 1)
+    return (f" Speedups are medians of {n} paired (autoregressive, speculative) runs."
+            if n > 1 else "")
+
+
 def _header(report: HarnessReport) -> list[str]:
     s = report.settings
     machine = s.get("machine") or {}
@@ -104,7 +110,8 @@ def _header(report: HarnessReport) -> list[str]:
              f"Target `{report.target}`, {_prompts(report)}, max_tokens "
              f"{s['max_tokens']}, device {s['device']}, {s.get('torch_threads')} torch threads, "
              f"{machine.get('usable_cores', '?')} usable cores, load average "
-             f"{machine.get('load_average')} at the start, created {report.created}.", ""]
+             f"{machine.get('load_average')} at the start, created {report.created}.{_repeats(s)}",
+             ""]
     bad = [r for r in report.results if r.lossless is False]
     if bad:
         lines += ["**LOSSLESS CHECK FAILED**: greedy speculative outputs differ from "

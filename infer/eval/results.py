@@ -3,7 +3,7 @@
 results.json keys (``schema_version`` 2; documented in docs/harness.md):
 
 - top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts
-  (of a batch-1 run), requests_per_slot, ignore_eos, device (resolved), dtype, seed, warmup,
+  (of a batch-1 run), requests_per_slot, repeats, ignore_eos, device (resolved), dtype, seed, warmup,
   torch, torch_threads, machine: cpu_count, usable_cores, load_average, torch_threads,
   torch_interop_threads), ``baselines``,
   ``results``, ``advisor``, ``recommended_k`` (method -> k), ``lossless`` (false iff any greedy
@@ -20,7 +20,8 @@ results.json keys (``schema_version`` 2; documented in docs/harness.md):
   ``mismatched_prompts`` (prompt indices), ``num_errors``, ``draft_sample_method`` (greedy or
   probabilistic drafts), ``other_cores`` (cores other processes kept busy during the timed run;
   null where the machine cannot tell), ``num_prompts`` (requests of the run: a batch-B run
-  serves max(num_prompts, requests_per_slot x B)).
+  serves max(num_prompts, requests_per_slot x B)), ``speedup_runs`` (repeats > 1: each paired
+  run's speedup; ``speedup`` is their median; empty otherwise).
 - ``advisor[]``: ``method``, ``batch_size``, ``temperature``, ``measured_ks``,
   ``recommended_k``, ``predicted_speedup``, ``candidates[]`` (``k``, ``expected_accepted``,
   ``cost_draft``, ``cost_verify``, ``predicted_speedup``).
@@ -87,6 +88,7 @@ class ConfigResult:
     draft_sample_method: str = "greedy"  # how drafts were made (greedy, or sampled for p/q)
     other_cores: float | None = None  # cores other processes kept busy during the timed run
     num_prompts: int = 0  # requests of the run (results.json before it: unknown, 0)
+    speedup_runs: list[float] = field(default_factory=list)  # repeats > 1: the paired ratios
 
     @property
     def contended(self) -> bool:

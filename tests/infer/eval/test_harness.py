@@ -374,6 +374,34 @@ def test_batch_runs_take_requests_per_slot(tiny_target, caplog):
     assert [r.num_prompts for r in whole.results] == [len(PROMPTS)]
 
 
+def test_repeats_pair_each_run_with_its_own_baseline(tiny_target, monkeypatch):
+    """repeats=3: two more (autoregressive, speculative) pairs per row, alternated; the row's
+    speedup is the median of the three paired ratios."""
+    import statistics
+
+    from infer.eval import harness
+    from infer.eval.report import render_markdown
+
+    order = []
+    real = harness._measure
+    monkeypatch.setattr(harness, "_measure", lambda engine, spec, *a: order.append(
+        spec is not None) or real(engine, spec, *a))
+    report = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1, 2],
+                                       "batch_sizes": [1]}, PROMPTS, max_tokens=4,
+                         device="cpu", warmup=False, repeats=3)
+    # the cell's baseline, then per row: its run, and two (AR, spec) pairs
+    assert order == [False] + [True, False, True, False, True] * 2
+    for row in report.results:
+        assert len(row.speedup_runs) == 3 and all(r > 0 for r in row.speedup_runs)
+        assert row.speedup == statistics.median(row.speedup_runs)
+    assert report.settings["repeats"] == 3
+    assert "medians of 3 paired" in render_markdown(report)
+    single = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1],
+                                       "batch_sizes": [1]}, PROMPTS, max_tokens=4,
+                         device="cpu", warmup=False)
+    assert single.results[0].speedup_runs == [] and "paired" not in render_markdown(single)
+
+
 def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
     """The warm-up's requests leave nothing in cross-request proposer state (suffix decoding's
     global tree) for the timed run to draft from."""
