@@ -274,6 +274,15 @@ class _Matrix:
     def device(self) -> str:
         return "vllm" if self.vllm is not None else str(self.engine.device)
 
+    def settings(self, **run: Any) -> dict:
+        """results.json's ``settings``: the matrix's own, the run's (``run``), the software's
+        and the machine's."""
+        return {"max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
+                "requests_per_slot": self.requests_per_slot, "repeats": self.repeats,
+                "ignore_eos": self.ignore_eos, "device": self.device, "warmup": self.warmup,
+                **run, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                "machine": machine_settings()}
+
 
 def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping[str, Any],
                 prompts: Sequence[Any], *, max_tokens: int = 64,
@@ -325,13 +334,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         target=engine_llm.target.path,
         baselines=[b for b, _ in matrix.baselines.values()], results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        settings={"max_tokens": max_tokens, "num_prompts": matrix.num_prompts,
-                  "requests_per_slot": requests_per_slot, "repeats": repeats,
-                  "ignore_eos": ignore_eos,
-                  "device": matrix.device, "dtype": dtype, "seed": seed, "warmup": warmup,
-                  "engine": engine, "tensor_parallel_size": tensor_parallel_size,
-                  "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                  "machine": machine_settings()})
+        settings=matrix.settings(dtype=dtype, seed=seed, engine=engine,
+                                 tensor_parallel_size=tensor_parallel_size))
     from infer.eval.report import log_report, write_report  # matplotlib: only when needed
 
     if output_dir is not None:
