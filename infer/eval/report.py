@@ -92,7 +92,7 @@ def _prompts(report: HarnessReport) -> str:
     """``16 prompts`` or ``16 prompts at batch 1, 64 at batch 8`` (requests_per_slot)."""
     counts = sorted({(r.batch_size, r.num_prompts) for r in report.results if r.num_prompts})
     if len({n for _, n in counts}) <= 1:
-        return f"{report.settings['num_prompts']} prompts"
+        return f"{counts[0][1] if counts else report.settings['num_prompts']} prompts"
     return ", ".join(f"{n} prompts at batch {b}" if i == 0 else f"{n} at batch {b}"
                      for i, (b, n) in enumerate(counts))
 

@@ -3,11 +3,11 @@
 results.json keys (``schema_version`` 2; documented in docs/harness.md):
 
 - top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts
-  (of a batch-1 run), requests_per_slot, repeats, ignore_eos, device (resolved), dtype, seed, warmup,
-  torch, torch_threads, machine: cpu_count, usable_cores, load_average, torch_threads,
-  torch_interop_threads), ``baselines``,
-  ``results``, ``advisor``, ``recommended_k`` (method -> k), ``lossless`` (false iff any greedy
-  row mismatched), ``files`` (markdown and plot file names).
+  (of a batch-1 run), requests_per_slot, repeats, ignore_eos, device (resolved), dtype, seed,
+  warmup, torch, torch_threads, machine: cpu_count, usable_cores, load_average, torch_threads,
+  torch_interop_threads), ``baselines``, ``results``, ``advisor``, ``recommended_k`` (method ->
+  k), ``lossless`` (false iff any greedy row mismatched), ``files`` (markdown and plot file
+  names).
 - ``baselines[]``: ``batch_size``, ``temperature``, ``tok_s``, ``tokens``, ``seconds``,
   ``steps``, ``c_ar_s``, ``other_cores``, ``num_prompts`` (requests of the run).
 - ``results[]``: ``method`` (the label), ``speculative_config`` (resolved, vLLM schema), ``k``,
