@@ -214,7 +214,7 @@ class _Matrix:
     ignore_eos: bool
     warmup: bool
     vllm: VllmEngine | None = None  # eval.engine=vllm: every run goes there instead
-    num_prompts: int = 0  # prompts of a batch-1 run; 0: all
+    num_prompts: int = 0  # prompts of a batch-1 run
     requests_per_slot: int = 0  # a batch-B run takes at least this many per slot
     repeats: int = 1  # timed runs per configuration, each paired with an autoregressive one
     baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = field(default_factory=dict)
@@ -222,8 +222,7 @@ class _Matrix:
     def prompts_at(self, batch: int) -> list:
         """The first max(num_prompts, requests_per_slot x batch) prompts: each slot is refilled
         several times, so the drain at the end of a closed set of requests stays small."""
-        return self.prompts[: max(self.num_prompts or len(self.prompts),
-                                  self.requests_per_slot * batch)]
+        return self.prompts[: max(self.num_prompts, self.requests_per_slot * batch)]
 
     def measure(self, spec: SpeculativeConfig | None, temperature: float, batch: int) -> _Run:
         params, prompts = self.params(temperature), self.prompts_at(batch)

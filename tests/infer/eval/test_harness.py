@@ -363,7 +363,7 @@ def test_batch_runs_take_requests_per_slot(tiny_target, caplog):
     served = {r.batch_size: r.num_prompts for r in report.results}
     assert served == {1: 2, 2: 4, 4: 6}  # batch 4 wants 8: the set has 6
     assert {b.batch_size: b.num_prompts for b in report.baselines} == served
-    assert all(sum(1 for _ in r.mismatched_prompts) == 0 for r in report.results)
+    assert not any(r.mismatched_prompts for r in report.results)
     assert "batch 4: 2 requests per slot want 8 prompts, the prompt set has 6" in caplog.text
     assert "batch 2" not in caplog.text
     assert report.settings["num_prompts"] == 1 and report.settings["requests_per_slot"] == 2
