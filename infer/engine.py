@@ -309,8 +309,8 @@ class LLM:
         if self.proposer is None or self.k == 0:
             return Proposal(torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
         batch = DraftBatch([r.slot for r in reqs], [r.tokens for r in reqs], self.k,
-                           temperature=_as_tensor(temperature, len(reqs), self.device),
-                           top_k=top_k, top_p=top_p, generator=generator)
+                           temperature=temperature, top_k=top_k, top_p=top_p,
+                           generator=generator)
         limits = torch.tensor([r.draft_limit(self.k, self.max_model_len) for r in reqs],
                               device=self.device)  # [B], copied before the drafts are queued
         with _measure(self.timers and self.timers.draft):
@@ -475,8 +475,3 @@ def _check_loaded(dtype, device, max_model_len, tokenizer) -> None:
             raise config_error(key, value, f"{default!r} when a loaded Target is passed (set it "
                                "in Target.load)", _WHERE)
 
-
-def _as_tensor(value: Any, batch: int, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.full((batch,), float(value), device=device)

@@ -88,7 +88,8 @@ class BatchGenerator:
     generator would, then redraws each seeded row's slice from that row's generator. A seeded
     request's numbers therefore depend only on its own history, never on which other requests
     share its steps (vLLM's per-request seed), while unseeded rows see the same stream as without
-    any seeded neighbour. Python work is one call per seeded row, none per token.
+    any seeded neighbour. When every row is seeded the default stream is not drawn at all (no
+    row would read it). Python work is one call per seeded row, none per token.
     """
 
     default: torch.Generator | None
@@ -113,7 +114,8 @@ def fill_random_(t: torch.Tensor, kind: str, generator: Generator = None) -> tor
     if not isinstance(generator, BatchGenerator):
         fill(t, generator)
         return t
-    fill(t, generator.default)
+    if any(g is None for g in generator.rows):  # else no row reads the default stream's draw
+        fill(t, generator.default)
     for row, g in enumerate(generator.rows):
         if g is not None:
             fill(t[row], g)  # a view: writes into t

@@ -1,7 +1,7 @@
 """Where a speculative step's time goes, next to autoregressive decoding, on the tiny target.
 
     python scripts/bench_spec_step.py [--model outputs/tiny_eagle3/final] [--method eagle3]
-        [--k 3] [--batches 1 8] [--prompts 16] [--max-tokens 64] [--repeats 3]
+        [--k 3] [--batches 1 8] [--prompts 16] [--max-tokens 64] [--repeats 3] [--temperature 0]
 
 For each batch size, alternating autoregressive and speculative ``generate`` runs over the same
 held-out prompts (``--repeats`` each; medians), it prints the wall time and the engine's own
@@ -104,11 +104,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled rows, drafts sampled for the p/q test (as the harness)")
     args = ap.parse_args()
     target = str(ensure_tiny_target())
     spec = {"method": args.method, "model": args.model, "num_speculative_tokens": args.k}
+    if args.temperature > 0:
+        spec["draft_sample_method"] = "probabilistic"
     prompts = heldout_prompts(args.prompts, seed=0)  # code prefixes, as bench_engine.py
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for batch in args.batches:
         one_batch(target, spec, prompts, params, batch, args.repeats)
 

@@ -56,8 +56,10 @@ class DraftBatch:
     slots: list[int]  # cache row of each request
     token_ids: list[list[int]]  # prompt + generated so far (the last one not yet in the KV cache)
     k: int  # drafts wanted per request
-    temperature: torch.Tensor | None = None  # [batch] the requests' sampling settings, for
-    top_k: torch.Tensor | None = None  # [batch]   proposers that sample or return draft_probs
+    # the requests' sampling settings, for proposers that sample or return draft_probs: a
+    # scalar when every row shares it (the engine's _sampling_tensors), else [batch]
+    temperature: torch.Tensor | float | None = None
+    top_k: torch.Tensor | None = None  # [batch]
     top_p: torch.Tensor | None = None  # [batch]
     generator: Generator = None  # per-row streams for seeded requests (BatchGenerator)
 

@@ -77,6 +77,17 @@ def test_batch_generator_rows_draw_from_their_own_stream():
     assert torch.equal(a[0], b[0])
 
 
+def test_all_seeded_batch_leaves_the_default_stream_alone():
+    """No row reads the default stream when every row is seeded, so it is not drawn: the next
+    unseeded draw is the one a fresh generator would make."""
+    g_default = torch.Generator().manual_seed(0)
+    seeded = BatchGenerator(g_default, [torch.Generator().manual_seed(4)])
+    uniforms, _ = draw_randomness(1, 3, 5, torch.device("cpu"), seeded)
+    assert torch.equal(uniforms[0], torch.rand(3, generator=torch.Generator().manual_seed(4)))
+    assert torch.equal(torch.rand(3, generator=g_default),
+                       torch.rand(3, generator=torch.Generator().manual_seed(0)))
+
+
 def test_seeded_row_in_a_draft_sub_batch(tiny_target, tiny_draft):
     """Rows that cannot draft (past the draft's max_model_len) leave a sub-batch; a seeded row in
     it keeps its own stream."""
