@@ -178,14 +178,10 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
                          project=ev.wandb_project, name=ev.wandb_run_name,
                          config={**asdict(cfg), "model": model}, dir=out, job_type="eval")
     try:
-        report = run_harness(model, configs, prompts, max_tokens=ev.max_tokens, output_dir=out,
-                             logger=logger, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
-                             max_model_len=cfg.max_model_len, ignore_eos=ev.ignore_eos,
-                             warmup=ev.warmup, num_threads=cfg.num_threads,
-                             engine=str(ev.engine.value), vllm_python=ev.vllm_python,
-                             tensor_parallel_size=ev.tensor_parallel_size,
-                             num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot,
-                             repeats=ev.repeats)
+        report = run_harness(model, configs, prompts, output_dir=out, logger=logger,
+                             device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                             max_model_len=cfg.max_model_len, num_threads=cfg.num_threads,
+                             **ev.harness_options())
     finally:
         logger.finish()
     print(render_markdown(report))

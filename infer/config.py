@@ -150,6 +150,16 @@ class EvalConfig:
         """Prompts to load: the largest batch size's run takes the most."""
         return max([self.num_prompts] + [self.requests_per_slot * b for b in self.batch_sizes])
 
+    def harness_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``run_harness`` that come from these settings alone (both
+        ``infer.py mode=eval`` and ``train.py``'s evaluation pass them)."""
+        return {"max_tokens": self.max_tokens, "ignore_eos": self.ignore_eos,
+                "warmup": self.warmup, "engine": str(self.engine.value),
+                "vllm_python": self.vllm_python,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "num_prompts": self.num_prompts, "requests_per_slot": self.requests_per_slot,
+                "repeats": self.repeats}
+
 
 @dataclass
 class ServeConfig:

@@ -85,14 +85,9 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
     ev = cfg.eval
     out = ev.output_dir or cfg.run_dir / "eval"
     report = run_harness(target_dir, harness_configs(cfg, drafter_spec, target_dir),
-                         eval_prompts(cfg, target_dir), max_tokens=ev.max_tokens,
-                         output_dir=out, logger=logger, device=device, seed=cfg.seed,
-                         ignore_eos=ev.ignore_eos, warmup=ev.warmup, step=step, prefix="eval",
-                         num_threads=cfg.trainer.num_threads, engine=str(ev.engine.value),
-                         vllm_python=ev.vllm_python,
-                         tensor_parallel_size=ev.tensor_parallel_size,
-                         num_prompts=ev.num_prompts, requests_per_slot=ev.requests_per_slot,
-                         repeats=ev.repeats)
+                         eval_prompts(cfg, target_dir), output_dir=out, logger=logger,
+                         device=device, seed=cfg.seed, step=step, prefix="eval",
+                         num_threads=cfg.trainer.num_threads, **ev.harness_options())
     print(summary(report))
     print(f"acceptance report: {out}/results.md")
     return report
