@@ -187,8 +187,9 @@ class DrafterConfig:
     draft_vocab_size: int = 1024
     """eagle3 / peagle / dflash: LM head over the most frequent training-target tokens."""
     aux_layer_ids: Optional[List[int]] = None
-    """eagle3 / peagle / dflash: target residual streams fed to the head; None: the method's
-    default (eagle3: [2, n // 2, n - 3] made valid; dflash: spread over the layers)."""
+    """eagle3 / peagle / dflash: target residual streams fed to the head (k = the stream after
+    k layers; negative ids count from the end: -1 = n, the last layer's output); None: the
+    method's default (eagle3: [2, n // 2, n - 3] made valid; dflash: spread over the layers)."""
     num_layers: int = 1
     """dflash / eagle3 / peagle: draft decoder layers (dflash's reference uses 5, P-EAGLE 4)."""
     intermediate_size: Optional[int] = None
@@ -441,7 +442,7 @@ _SECTION_RULES = {
     "features": {"mode": _choice(FeatureMode), "cache_dir": _opt_str,
                  "dtype": _choice(StorageDtype), "rows_per_shard": _pos, "batch_size": _pos},
     "drafter": {"method": check_str, "draft_vocab_size": _pos,
-                "aux_layer_ids": partial(check_list, item=_nonneg, optional=True),
+                "aux_layer_ids": partial(check_list, item=check_int, optional=True),
                 "num_layers": _pos, "intermediate_size": _opt_pos, "norm_before_residual": _flag,
                 "norm_output": _flag, "fc_norm": _flag, "norm_before_fc": _flag,
                 "lm_head_init": _choice(LmHeadInit), "embed_requires_grad": _flag,

@@ -43,6 +43,15 @@ OBJECTIVES: Registry[type["Objective"]] = Registry("train.objectives", "drafter.
                                                    "train config")
 
 
+def from_end(ids, num_layers: int) -> list:
+    """``drafter.aux_layer_ids`` with negative ids counted from the end, as Python indexes a
+    list of the ``n + 1`` residual streams: -1 = ``n`` (the last layer's output), -2 = ``n - 1``.
+    A recipe can so name "the last layer" whatever the target's depth; checkpoints always hold
+    the resolved ids (what vLLM and speculators read)."""
+    return [k + num_layers + 1 if isinstance(k, int) and not isinstance(k, bool) and k < 0
+            else k for k in ids]
+
+
 class StageData(StrChoice):
     """The rows a training stage reads."""
 

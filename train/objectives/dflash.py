@@ -49,7 +49,7 @@ from infer.drafters.dflash import ContextKV, DFlashConfig, DFlashDrafter, defaul
 from infer.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.validation import config_error
-from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
+from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective, from_end
 from train.objectives.eagle3 import full_vocab_argmax
 from train.objectives.losses import forward_kl
 from train.objectives.pard import choose_mask_token
@@ -114,6 +114,18 @@ def slot_targets(anchors: Tensor, valid: Tensor, loss_mask: Tensor, doc: Tensor,
     return tok_c - 1, trains
 
 
+def _aux_ids(d, target, init_ids: list[int] | None) -> list[int]:
+    """``drafter.aux_layer_ids`` (negative: from the end), else ``init_from``'s, else the
+    default spread; distinct and in ``[0, n]``."""
+    ids = (from_end(d.aux_layer_ids or [], target.num_layers) or init_ids
+           or default_aux_layer_ids(target.num_layers, d.num_layers))
+    if len(set(ids)) != len(ids) or any(not 0 <= k <= target.num_layers for k in ids):
+        raise config_error("drafter.aux_layer_ids", d.aux_layer_ids or ids, "distinct ids in "
+                           f"[0, {target.num_layers}] (k = residual stream after k layers, -1 = "
+                           f"{target.num_layers})", _WHERE)
+    return ids
+
+
 @OBJECTIVES.register("dflash")
 class DFlashObjective(Objective):
     """DFlash block drafter + same-position block loss (module doc)."""
@@ -122,12 +134,7 @@ class DFlashObjective(Objective):
         super().__init__(cfg, heads, vocab, target_dir)
         d, o, target = cfg.drafter, cfg.objective, heads.config
         init = DFlashDrafter.from_pretrained(d.init_from) if d.init_from else None
-        ids = (d.aux_layer_ids or (list(init.aux_layer_ids) if init is not None else None)
-               or default_aux_layer_ids(target.num_layers, d.num_layers))
-        if len(set(ids)) != len(ids) or any(not 0 <= k <= target.num_layers for k in ids):
-            raise config_error("drafter.aux_layer_ids", ids, "distinct ids in [0, "
-                               f"{target.num_layers}] (k = residual stream after k layers)",
-                               _WHERE)
+        ids = _aux_ids(d, target, list(init.aux_layer_ids) if init is not None else None)
         mask = choose_mask_token(d.mask_token_id, {"mask_token_id": init.config.mask_token_id}
                                  if init is not None else {}, vocab, target)
         config = DFlashConfig.for_target(
@@ -157,8 +164,7 @@ class DFlashObjective(Objective):
         if d.init_from and not d.aux_layer_ids:  # its config.json only, no weights
             path = resolve_model_dir(d.init_from, "drafter.init_from") / "config.json"
             init = DFlashConfig.from_dict(read_json(path)).aux_layer_ids
-        ids = d.aux_layer_ids or init or default_aux_layer_ids(target.num_layers, d.num_layers)
-        return FeatureSpec(aux_layer_ids=tuple(sorted(ids)), hidden=True)
+        return FeatureSpec(aux_layer_ids=tuple(sorted(_aux_ids(d, target, init))), hidden=True)
 
     # ---- forward -----------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
 from train.config import LmHeadInit
-from train.objectives.base import OBJECTIVES, FeatureSpec
+from train.objectives.base import OBJECTIVES, FeatureSpec, from_end
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
 
@@ -50,8 +50,9 @@ def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[in
 
     Ids are residual streams after ``k`` layers: distinct, in ``[0, n]`` (vLLM serves ids 0 and
     n from 0.18 and other than three ids from 0.22; the default picks three in ``[1, n - 1]``,
-    which every vLLM with custom ids serves). ``init_ids``: the ids of the
-    ``drafter.init_from`` checkpoint, used when none are configured, else they must agree.
+    which every vLLM with custom ids serves); negative ones count from the end
+    (:func:`from_end`). ``init_ids``: the ids of the ``drafter.init_from`` checkpoint, used
+    when none are configured, else they must agree.
     """
     key, n = "drafter.aux_layer_ids", num_layers
     if configured is None:
@@ -64,12 +65,13 @@ def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[in
                 raise config_error(key, None, f"explicit ids for this {n}-layer target (the "
                                    "default [2, n // 2, n - 3] needs n >= 4): distinct layer "
                                    f"ids in [0, {n}]", _WHERE) from None
-    ids = list(configured)
+    ids = from_end(configured, n)
     if (not ids or len(set(ids)) != len(ids)
             or any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n for k in ids)):
-        raise config_error(key, ids, f"a non-empty list of distinct layer ids in [0, {n}] for "
-                           f"this {n}-layer target (id k = residual stream after k layers; "
-                           f"vLLM < 0.22 needs three in [1, {n - 1}])", _WHERE)
+        raise config_error(key, list(configured), f"a non-empty list of distinct layer ids in "
+                           f"[0, {n}] for this {n}-layer target (id k = residual stream after k "
+                           f"layers, -1 = {n}; vLLM < 0.22 needs three in [1, {n - 1}])",
+                           _WHERE)
     if init_ids is not None and sorted(init_ids) != sorted(ids):
         raise config_error(key, ids, f"the ids of the drafter.init_from checkpoint "
                            f"({sorted(init_ids)}) or null", _WHERE)

@@ -174,6 +174,10 @@ def test_default_mask_token_and_aux_ids(env, train_data):
 
 
 def test_bad_aux_ids_name_the_key(env, train_data):
-    with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids"):
-        OBJECTIVES.get("dflash")(make_cfg(aux_layer_ids=[1, 9]), env[1], train_data.vocab,
-                                 train_data.target_dir)
+    for ids in ([1, 9], [3, -2], [-6]):  # -2 = 3 on this 4-layer target; -6 is below 0
+        with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids"):
+            OBJECTIVES.get("dflash")(make_cfg(aux_layer_ids=ids), env[1], train_data.vocab,
+                                     train_data.target_dir)
+    obj = OBJECTIVES.get("dflash")(make_cfg(aux_layer_ids=[-1]), env[1], train_data.vocab,
+                                   train_data.target_dir)
+    assert list(obj.drafter.aux_layer_ids) == [4]  # negative ids count from the end

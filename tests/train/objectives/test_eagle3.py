@@ -196,7 +196,15 @@ def test_feature_noise_only_while_training(env, train_data):
 
 # ---- config errors ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ids", [[1, 1, 2], [0, 5], [], [1, 2, "3"]])
+def test_negative_aux_ids_count_from_the_end(env, train_data):
+    """-1 = the last layer's output (4 on this 4-layer target): a recipe names it whatever the
+    depth, and the checkpoint holds the resolved ids vLLM reads."""
+    obj = build("eagle3", env, train_data, aux_layer_ids=[2, -5, -1])
+    assert obj.feature_spec().aux_layer_ids == (0, 2, 4)
+    assert obj.drafter.config.eagle_aux_hidden_state_layer_ids == [0, 2, 4]
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 2], [0, 5], [], [1, 2, "3"], [-6], [1, -4]])
 def test_bad_aux_ids_name_the_key(env, train_data, ids):
     with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids.*expected.*\[0, 4\]"):
         build("eagle3", env, train_data, aux_layer_ids=ids)
