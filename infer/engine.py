@@ -20,6 +20,7 @@ from typing import Any, ContextManager, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from infer.draft_tree import along_path, settle_path, tree_inputs
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.metrics import SpecMetrics
@@ -251,11 +252,14 @@ class LLM:
             temperature, top_k, top_p = self._sampling_tensors(reqs)
             generator = self._generator(reqs)
             proposal = self._propose(reqs, temperature, top_k, top_p, generator)
+            method = self.spec.rejection_sample_method if self.spec else "strict"
+            if proposal.sibling_ids is not None and _all_greedy(temperature) \
+                    and method != "synthetic":  # greedy rows: a chain with sibling leaves
+                return self._tree_step(reqs, slots, pending, proposal)
             num_drafted = (proposal.draft_ids >= 0).sum(dim=1)  # [B]
             inputs = torch.cat([pending[:, None], proposal.draft_ids.clamp_min(0)],
                                dim=1)  # [B, k + 1]
             out = self._verify(inputs, reqs, slots, 1 + num_drafted)
-            method = self.spec.rejection_sample_method if self.spec else "strict"
             tokens = self._sample(out, reqs, proposal, method, temperature, top_k, top_p,
                                   generator)
             rows, drafted = tokens.tolist(), num_drafted.tolist()  # the step's one host sync
@@ -267,6 +271,23 @@ class LLM:
             if self.proposer is not None:
                 self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted, new_tokens,
                                                    out))
+
+    def _tree_step(self, reqs: list[Request], slots: torch.Tensor, pending: torch.Tensor,
+                   proposal: Proposal) -> None:
+        """A greedy step over a chain with sibling leaves (infer/draft_tree.py): one verify
+        forward over the tree, the greedy walk, the accepted path moved into place."""
+        tree, inputs, num_drafted = tree_inputs(pending, proposal.draft_ids, proposal.sibling_ids)
+        with _measure(self.timers and self.timers.verify, rows=inputs.shape[0]):
+            out = self.target.model(inputs, self.cache, cache_rows([r.slot for r in reqs], slots),
+                                    num_tokens=1 + num_drafted * (1 + tree.siblings),
+                                    aux_layer_ids=self.features.aux_layer_ids, tree=tree)
+        best = self._suppress_early_eos(out.logits, reqs, tree.depths(self.device)).argmax(-1)
+        emitted, path, accepted = tree.walk(inputs, best, num_drafted)  # [B, k + 1] x 2, [B]
+        settle_path(self.cache, slots, [len(r.tokens) - 1 for r in reqs], path, accepted)
+        new_tokens = [self._accept(r, row[: a + 1], n, a) for r, row, n, a in
+                      zip(reqs, emitted.tolist(), num_drafted.tolist(), accepted.tolist())]
+        self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted.tolist(), new_tokens,
+                                           along_path(out, path)))
 
     def _sample(self, out: ModelOutput, reqs: list[Request], proposal: Proposal, method: str,
                 temperature, top_k, top_p, generator: Generator) -> torch.Tensor:
@@ -320,9 +341,10 @@ class LLM:
         proposal.draft_ids = proposal.draft_ids.masked_fill(over, -1)
         return proposal
 
-    def _suppress_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _suppress_early_eos(self, logits: torch.Tensor, reqs: list[Request],
+                            depths: torch.Tensor | None = None) -> torch.Tensor:
         """min_tokens: a request's stop tokens (EOS unless ignore_eos, and its stop_token_ids, as
-        in vLLM) get -inf at output positions before its min_tokens."""
+        in vLLM) get -inf at output positions (``depths [T]``, else 0 .. T-1) before min_tokens."""
         need = [r.params.min_tokens - r.num_output for r in reqs]
         if max(need) <= 0:
             return logits
@@ -331,9 +353,9 @@ class LLM:
         for row, r in enumerate(reqs):
             ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
             stops[row, [t for t in ids if t < vocab]] = True
-        positions = torch.arange(logits.shape[1], device=logits.device)  # [k + 1]
-        early = positions[None, :] < torch.tensor(need, device=logits.device)[:, None]  # [B, k+1]
-        block = early[:, :, None] & stops.to(logits.device)[:, None, :]  # [B, k + 1, vocab]
+        positions = torch.arange(logits.shape[1]) if depths is None else depths.cpu()  # [T]
+        early = positions[None, :] < torch.tensor(need)[:, None]  # [B, T]
+        block = (early[:, :, None] & stops[:, None, :]).to(logits.device)  # [B, T, vocab]
         return logits.masked_fill(block, float("-inf"))
 
     # ---- scheduling ------------------------------------------------------------------------------

@@ -100,16 +100,19 @@ class KVCache:
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def plan(self, batch: int, seq: int, slots: Tensor | None = None,
-             num_tokens: Tensor | None = None, kv_len: int | None = None) -> CacheStep:
+             num_tokens: Tensor | None = None, kv_len: int | None = None,
+             depths: Tensor | None = None) -> CacheStep:
         """Positions and write indices for ``seq`` new tokens in each of ``batch`` rows.
 
         Row ``b``'s new tokens get positions ``lens[b] .. lens[b] + seq - 1``; tokens at or beyond
         ``num_tokens[b]`` are padding. ``kv_len=None`` costs one host read (see module doc).
+        ``depths [T]`` (a draft tree, infer/draft_tree.py): positions ``lens[b] + depths``
+        instead; the tokens are still written to consecutive cache columns.
         """
         device = self.lens.device
         start = self.lens[:batch] if slots is None else self.lens[slots]  # [B]
         offsets = torch.arange(seq, device=device)  # [T]
-        positions = start[:, None] + offsets  # [B, T]
+        positions = start[:, None] + offsets  # [B, T] cache columns
         # a position past max_len (only reachable with a caller's fixed kv_len, which skips the
         # overflow check below) goes to the scratch column too, never into another row's keys
         valid = positions < self.max_len  # [B, T]
@@ -118,6 +121,8 @@ class KVCache:
         else:
             valid &= offsets[None, :] < num_tokens[:, None]
         write_pos = positions.masked_fill(~valid, self.max_len)  # [B, T]
+        if depths is not None:
+            positions = start[:, None] + depths  # [B, T] a tree's nodes sit at their depth
         base = self._row_head_base[:batch] if slots is None else self._row_head_base[slots]
         flat_index = (base[:, None, :] + write_pos[:, :, None]).flatten()  # [B * T * kv_heads]
         exact = kv_len is None
@@ -136,6 +141,12 @@ class KVCache:
             self.lens[: step.num_tokens.shape[0]] += step.num_tokens
         else:
             self.lens.index_add_(0, step.slots, step.num_tokens)
+
+    def move(self, slots: Tensor, src: Tensor, dst: Tensor) -> None:
+        """Row ``slots[i]``'s keys/values at column ``src[i]`` are copied to ``dst[i]``, in
+        every layer (an accepted tree node moved to the column of its depth)."""
+        self.k[:, slots, :, dst] = self.k[:, slots, :, src]  # [n, L, kv_heads, hd] both sides
+        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
 
     def truncate(self, slots: Tensor, new_lens: Tensor | int) -> None:
         """Rollback: row ``slots[i]`` keeps its first ``new_lens[i]`` positions. No data moves."""

@@ -101,6 +101,8 @@ def _check_num_tokens(key: str, value: Any, where: str) -> None:
                                        "greater than zero)", where)
 
 
+_TREE_METHODS = ("eagle", "eagle3")  # chain heads whose drafts come with a next-best list
+
 # Type and range of each field on its own; rules between fields are the methods below.
 _FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "method": (_check_choice, {"choices": METHODS, "optional": True}),
@@ -119,6 +121,7 @@ _FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "suffix_decoding_max_cached_requests": (check_int, {"minimum": 0}),  # 0: no global cache
     "suffix_decoding_max_spec_factor": (check_float, {"low": 0.0, "low_open": True}),
     "suffix_decoding_min_token_prob": (check_float, {"low": 0.0, "high": 1.0}),
+    "draft_tree_siblings": (check_int, {"minimum": 0}),
 }
 
 
@@ -145,6 +148,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draftsmith's own (vLLM has no trees since 0.21): greedy batches of eagle / eagle3 chains
+    # verify each draft's next-best head tokens beside it (infer/draft_tree.py); 0 = a chain
+    draft_tree_siblings: int = 0
 
     def __post_init__(self) -> None:
         if self.method in MTP_ALIASES:
@@ -169,6 +175,7 @@ class SpeculativeConfig:
         elif self.num_speculative_tokens is None:
             self._set("num_speculative_tokens", self._num_tokens_from_draft(draft, path))
         self._check_parallel_drafting()
+        self._check_tree()
         self._resolve_sampling()
         self._check_rejection()
         if self.draft_tensor_parallel_size not in (None, 1):
@@ -257,6 +264,13 @@ class SpeculativeConfig:
                                f"false for method {self.method!r}; parallel drafting needs one of "
                                f"{', '.join(_PARALLEL_DRAFTING)} (PARD is draft_model + "
                                "parallel_drafting)", _WHERE)
+
+    def _check_tree(self) -> None:
+        chain = self.method in _TREE_METHODS and not self.parallel_drafting
+        if self.draft_tree_siblings and not chain:
+            raise config_error("draft_tree_siblings", self.draft_tree_siblings,
+                               f"0 for method {self.method!r}; sibling trees need a chain head: "
+                               f"{', '.join(_TREE_METHODS)} without parallel_drafting", _WHERE)
 
     def _resolve_sampling(self) -> None:
         """vLLM's two spellings, one meaning. Drafts are sampled from the drafter (and the p/q test

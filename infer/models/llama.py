@@ -25,10 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from typing import TYPE_CHECKING
+
 from infer.kv_cache import CacheStep, KVCache
 from infer.models.layout import FusedLinear, pack_for_cpu_
 from infer.models.output import ModelOutput
 from infer.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
+
+if TYPE_CHECKING:
+    from infer.draft_tree import SiblingTree
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,19 @@ def cache_mask(step: CacheStep, window: int | None = None) -> Tensor | None:
         return None
     key_pos = torch.arange(step.kv_len, device=step.positions.device)  # [S]
     return position_mask(step.positions, key_pos, window)  # [B, 1, T, S]
+
+
+def tree_mask(step: CacheStep, ancestors: Tensor) -> Tensor:
+    """The mask of a draft tree's verify step ``[B, 1, T, S]``: every query sees the row's cached
+    keys and, among the new tokens (consecutive columns from the row's start), its
+    ``ancestors [T, T]`` (infer/draft_tree.py)."""
+    t = ancestors.shape[0]
+    start = step.write_pos[:, :1]  # [B, 1] the pending token's column (never padding)
+    rel = torch.arange(step.kv_len, device=start.device)[None, :] - start  # [B, S]
+    inside = (rel >= 0) & (rel < t)  # [B, S]
+    seen = ancestors[None].expand(rel.shape[0], -1, -1).gather(
+        2, rel.clamp(0, t - 1)[:, None, :].expand(-1, t, -1))  # [B, T, S]
+    return ((rel < 0)[:, None, :] | (inside[:, None, :] & seen))[:, None]
 
 
 def packed_causal_mask(doc_ids: Tensor) -> Tensor:
@@ -294,7 +312,8 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: Tensor, cache: KVCache, slots: Tensor | None = None, *,
                 num_tokens: Tensor | None = None, aux_layer_ids=None, kv_len: int | None = None,
-                logits_at: Tensor | None = None) -> ModelOutput:
+                logits_at: Tensor | None = None, tree: "SiblingTree | None" = None
+                ) -> ModelOutput:
         """Cached forward: append ``input_ids [B, T]`` to cache rows ``slots [B]`` and decode them.
 
         Row ``b``'s tokens take positions ``lens[b] .. lens[b] + T - 1``; only the first
@@ -306,8 +325,16 @@ class Llama(nn.Module):
         fixed-shape step. ``logits_at [B, K]`` computes logits only at those indices of ``T``.
         """
         b, t = input_ids.shape
-        step = cache.plan(b, t, slots, num_tokens, kv_len)
-        masks = self._layer_masks(lambda w: cache_mask(step, w))
+        if tree is None:
+            step = cache.plan(b, t, slots, num_tokens, kv_len)
+            masks = self._layer_masks(lambda w: cache_mask(step, w))
+        else:  # a draft tree (infer/draft_tree.py): depth positions, ancestor mask
+            if self.config.sliding_layers and self.config.sliding_window is not None:
+                raise ValueError("draft_tree_siblings: sliding-window targets are not supported")
+            depths = tree.depths(cache.lens.device)  # [T]
+            step = cache.plan(b, t, slots, num_tokens, kv_len, depths=depths)
+            mask = tree_mask(step, tree.ancestors(cache.lens.device))
+            masks = [mask] * self.config.num_layers
         out = self._run(input_ids, step.positions, masks, step, aux_layer_ids, logits_at)
         cache.advance(step)
         return out

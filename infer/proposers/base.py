@@ -87,6 +87,8 @@ class Proposal:
 
     draft_ids: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    # [batch, k, S] each draft's next-best tokens (``draft_tree_siblings`` = S), or None
+    sibling_ids: torch.Tensor | None = None
 
 
 @dataclass

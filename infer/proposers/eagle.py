@@ -40,6 +40,7 @@ from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, Pro
                                   VerifiedStep)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
+from infer.validation import config_error
 
 _WIRING = "the engine must call proposer.prefilled(...) after each prefill"
 
@@ -65,6 +66,11 @@ class EagleChainProposer(Proposer):
         self.fed = [0] * ctx.max_num_seqs  # verified pairs held in each slot's draft cache
         self.pending: dict[int, Tensor] = {}  # slot -> [m, H] prepared features not yet fed
         self.sample = spec.draft_sample_method == "probabilistic"  # else argmax drafts
+        self.siblings = 0 if self.sample else spec.draft_tree_siblings  # next-best per draft
+        vocab = self.drafter.lm_head.weight.shape[0]  # the head's (draft) vocabulary
+        if self.siblings >= vocab:
+            raise config_error("draft_tree_siblings", self.siblings, f"fewer than the head's "
+                               f"{vocab} draft tokens", f"speculative_config ({spec.model})")
         # the k - 1 one-pair draft steps in fixed shapes (CUDA graphs); the catch-up is ragged
         self.static = StaticForward(self.drafter, self.cache) if ctx.static_steps else None
 
@@ -142,15 +148,18 @@ class EagleChainProposer(Proposer):
         counts = torch.tensor(counts, device=self.ctx.device)  # [B]
         logits, hidden = self.drafter(ids, feats, self.cache, rows, num_tokens=counts,
                                       logits_at=(counts - 1)[:, None])  # [B, 1, V'], [B, 1, H]
-        tokens, probs = [], []
+        tokens, probs, sibs = [], [], []
         for step in range(batch.k):
             tok, q = self._choose(logits, batch)  # [B, 1] target ids, [B, 1, vocab] or None
             tokens.append(tok)
             probs.append(q)
+            if self.siblings:
+                sibs.append(self._next_best(logits))  # [B, 1, S]
             if step + 1 < batch.k:
                 logits, hidden = self._decode(tok, hidden, slots, rows, batch, step)
         draft_probs = torch.cat(probs, dim=1) if self.sample else None  # [B, k, vocab]
-        return Proposal(torch.cat(tokens, dim=1), draft_probs)  # [B, k]
+        siblings = torch.cat(sibs, dim=1) if sibs else None  # [B, k, S]
+        return Proposal(torch.cat(tokens, dim=1), draft_probs, siblings)  # [B, k]
 
     def _decode(self, tok: Tensor, hidden: Tensor, slots: Tensor, rows: Tensor | None,
                 batch: DraftBatch, step: int) -> tuple[Tensor, Tensor]:
@@ -183,6 +192,11 @@ class EagleChainProposer(Proposer):
             ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             feats[row, : len(toks)] = f
         return ids.to(self.ctx.device), feats, [len(r[0]) for r in rows]
+
+    def _next_best(self, logits: Tensor) -> Tensor:
+        """The head's 2nd .. (S + 1)-th tokens ``[B, 1, S]`` (target ids): a tree's siblings."""
+        top = logits.topk(1 + self.siblings, dim=-1).indices  # [B, 1, 1 + S]
+        return self.drafter.to_target_ids(top[..., 1:])
 
     def _choose(self, logits: Tensor, batch: DraftBatch) -> tuple[Tensor, Tensor | None]:
         """Target-id drafts ``[B, n]`` and, when sampling, their distribution ``[B, n, vocab]``."""

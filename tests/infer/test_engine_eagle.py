@@ -134,3 +134,62 @@ def test_two_layer_eagle3_greedy_equals_autoregressive(target4, heads, k, max_nu
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert llm.get_metrics()["num_drafts"] > 0
+
+
+def _tree_and_chain(target, head, method, k, siblings, max_num_seqs, params):
+    spec = {"method": method, "model": head, "num_speculative_tokens": k}
+    chain = LLM(target, speculative_config=spec, max_num_seqs=max_num_seqs)
+    tree = LLM(target, speculative_config={**spec, "draft_tree_siblings": siblings},
+               max_num_seqs=max_num_seqs)
+    return tree, tree.generate(PROMPTS, params), chain, chain.generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+@pytest.mark.parametrize("k,siblings,max_num_seqs", [(1, 1, 1), (3, 2, 2), (4, 15, 4)])
+def test_sibling_tree_greedy_equals_autoregressive(target4, heads, method, k, siblings,
+                                                   max_num_seqs):
+    """A chain with sibling leaves (draft_tree_siblings) is verified as a tree in one forward:
+    depth positions, an ancestor mask, an accepted sibling's keys moved into place. Output equals
+    plain greedy decoding, with more accepted per step than the same head's chain once the
+    siblings are many enough to be hit (a random head: 15 of its 48 draft tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
+    tree, outs, chain, _ = _tree_and_chain(target4, heads[method], method, k, siblings,
+                                           max_num_seqs, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    if siblings >= 15:
+        tree_al = tree.get_metrics()["mean_acceptance_length"]
+        assert tree_al > chain.get_metrics()["mean_acceptance_length"] + 0.1
+
+
+@pytest.mark.parametrize("siblings,max_num_seqs", [(1, 1), (2, 3)])
+def test_sibling_tree_moves_accepted_nodes_into_place(target4, heads, siblings, max_num_seqs):
+    """Drafts from the reference continuation with one wrong chain token per step whose right
+    token is among its siblings: every step accepts chain nodes past depth 1 and a sibling, all
+    of which sit in the wrong cache columns until moved. Output still equals greedy decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
+    full = [list(p) + list(b.token_ids) for p, b in zip(PROMPTS, base)]
+    k = 4
+    spec = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": k,
+            "draft_tree_siblings": siblings}
+    llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
+    inner, gen = llm.proposer.propose, torch.Generator().manual_seed(0)
+
+    def oracle(batch):
+        proposal = inner(batch)  # the head's own bookkeeping runs as usual
+        for row, toks in enumerate(batch.token_ids):
+            ref = next(f for f in full if f[: len(toks)] == toks)
+            truth = (ref[len(toks):] + [0] * k)[:k]
+            wrong = int(torch.randint(1, k + 1, (), generator=gen))  # depth of the mistake
+            chain = list(truth)
+            chain[wrong - 1] = (truth[wrong - 1] + 1) % 64
+            proposal.draft_ids[row] = torch.tensor(chain)
+            proposal.sibling_ids[row] = (torch.tensor(chain)[:, None] + 2) % 64
+            proposal.sibling_ids[row, wrong - 1, -1] = truth[wrong - 1]
+        return proposal
+
+    llm.proposer.propose = oracle
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert llm.get_metrics()["mean_acceptance_length"] > 2.5  # deep paths were taken
