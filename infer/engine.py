@@ -74,8 +74,9 @@ class LLM:
         self.enforce_eager, self.gpu_memory_utilization = enforce_eager, gpu_memory_utilization
         self.timers: EngineTimers | None = None
         kv_dtype, cfg = self.target.dtype, self.target.model.config
-        self._check_memory(kv_cache_bytes(cfg, max_num_seqs, self.max_model_len, kv_dtype))
-        self.cache = KVCache.for_model(cfg, max_num_seqs, self.max_model_len, dtype=kv_dtype,
+        cache_len = self.max_model_len + (self.spec.tree_columns if self.spec else 0)
+        self._check_memory(kv_cache_bytes(cfg, max_num_seqs, cache_len, kv_dtype))
+        self.cache = KVCache.for_model(cfg, max_num_seqs, cache_len, dtype=kv_dtype,
                                        device=self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.proposer = self._make_proposer()

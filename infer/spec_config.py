@@ -184,6 +184,12 @@ class SpeculativeConfig:
                                "device; vLLM also accepts the target's tensor_parallel_size)",
                                _WHERE)
 
+    @property
+    def tree_columns(self) -> int:
+        """Target cache columns a draft tree's siblings take past the verified tokens' (k * S:
+        the tree verifies them all, then keeps at most k + 1 tokens)."""
+        return (self.num_speculative_tokens or 0) * self.draft_tree_siblings
+
     def _set(self, key: str, value: Any) -> None:
         object.__setattr__(self, key, value)  # frozen; only __post_init__ resolves fields
 

@@ -193,3 +193,15 @@ def test_sibling_tree_moves_accepted_nodes_into_place(target4, heads, siblings, 
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert llm.get_metrics()["mean_acceptance_length"] > 2.5  # deep paths were taken
+
+
+def test_sibling_tree_runs_to_max_model_len(target4, heads):
+    """Siblings take verify columns past the accepted tokens': a request that fills the context
+    still fits the cache, and its output equals plain greedy decoding's."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    base = LLM(target4, max_model_len=24).generate(PROMPTS, params)
+    spec = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 4,
+            "draft_tree_siblings": 15}
+    outs = LLM(target4, speculative_config=spec, max_model_len=24).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert max(len(p) + len(o.token_ids) for p, o in zip(PROMPTS, outs)) == 24
