@@ -20,12 +20,11 @@ Outputs (``ModelOutput``) and the hidden-state index semantics of ``aux_layer_id
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from typing import TYPE_CHECKING
 
 from infer.kv_cache import CacheStep, KVCache
 from infer.models.layout import FusedLinear, pack_for_cpu_
