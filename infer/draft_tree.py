@@ -102,7 +102,7 @@ class SiblingTree:
         in_chain = slots <= run[:, None]  # [B, k + 1]
         path = torch.where(in_chain, chain_nodes, path)
         path[rows[hit], run[hit] + 1] = sib[hit]
-        # emitted token p is the target's argmax at path node p - 1 (the first is after pending)
+        # emitted token p is the target's argmax at path node p (its prediction after it)
         filled = path >= 0
         safe = path.clamp_min(0)
         emitted = torch.where(filled, best.gather(1, safe), emitted)

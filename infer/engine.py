@@ -254,9 +254,8 @@ class LLM:
             generator = self._generator(reqs)
             proposal = self._propose(reqs, temperature, top_k, top_p, generator)
             method = self.spec.rejection_sample_method if self.spec else "strict"
-            if proposal.sibling_ids is not None and _all_greedy(temperature) \
-                    and method != "synthetic":  # greedy rows: a chain with sibling leaves
-                return self._tree_step(reqs, slots, pending, proposal)
+            if proposal.sibling_ids is not None and _argmax_verify(temperature, method):
+                return self._tree_step(reqs, slots, pending, proposal)  # chain + sibling leaves
             num_drafted = (proposal.draft_ids >= 0).sum(dim=1)  # [B]
             inputs = torch.cat([pending[:, None], proposal.draft_ids.clamp_min(0)],
                                dim=1)  # [B, k + 1]
@@ -282,7 +281,7 @@ class LLM:
             out = self.target.model(inputs, self.cache, cache_rows([r.slot for r in reqs], slots),
                                     num_tokens=1 + num_drafted * (1 + tree.siblings),
                                     aux_layer_ids=self.features.aux_layer_ids, tree=tree)
-        best = self._suppress_early_eos(out.logits, reqs, tree.depths(self.device)).argmax(-1)
+        best = self._suppress_early_eos(out.logits, reqs, tree.depths()).argmax(-1)  # [B, T]
         emitted, path, accepted = tree.walk(inputs, best, num_drafted)  # [B, k + 1] x 2, [B]
         settle_path(self.cache, slots, [len(r.tokens) - 1 for r in reqs], path, accepted)
         new_tokens = [self._accept(r, row[: a + 1], n, a) for r, row, n, a in
@@ -295,7 +294,7 @@ class LLM:
         """The rejection sampler over the step's logits: ``[B, k + 1]`` emitted tokens, -1
         padded (all-greedy batches take the argmax path, which returns the same)."""
         logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
-        if _all_greedy(temperature) and method != "synthetic":
+        if _argmax_verify(temperature, method):
             return greedy_verify(logits, proposal.draft_ids)
         return rejection_sample(
             logits, proposal.draft_ids, proposal.draft_probs, temperature=temperature,
@@ -354,7 +353,7 @@ class LLM:
         for row, r in enumerate(reqs):
             ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
             stops[row, [t for t in ids if t < vocab]] = True
-        positions = torch.arange(logits.shape[1]) if depths is None else depths.cpu()  # [T]
+        positions = torch.arange(logits.shape[1]) if depths is None else depths  # [T] on CPU
         early = positions[None, :] < torch.tensor(need)[:, None]  # [B, T]
         block = (early[:, :, None] & stops[:, None, :]).to(logits.device)  # [B, T, vocab]
         return logits.masked_fill(block, float("-inf"))
@@ -468,9 +467,10 @@ def check_memory_budget(used: int, cache: int, total: int, utilization: float,
             "or max_num_seqs, or raise gpu_memory_utilization", _WHERE)
 
 
-def _all_greedy(temperature) -> bool:
-    """Every row greedy: ``_sampling_tensors`` gives a scalar when temperatures are uniform."""
-    return not isinstance(temperature, torch.Tensor) and temperature <= 0.0
+def _argmax_verify(temperature, method: str) -> bool:
+    """All rows greedy (``_sampling_tensors`` gives a scalar when temperatures are uniform) and
+    no synthetic acceptance: the target's argmax decides the step (chain or tree)."""
+    return method != "synthetic" and not isinstance(temperature, torch.Tensor) and temperature <= 0
 
 
 def _measure(timer: Timer | None, rows: int = 0) -> ContextManager:
