@@ -194,9 +194,12 @@ def as_bool_mask(mask: Tensor | None) -> Tensor | None:
 
 class PairDrafter(torch.nn.Module):
     """Base of the EAGLE heads: one decoder layer over pairs ``(hidden [B, T, H], input_ids
-    [B, T])``. Subclasses implement ``_run(input_ids, hidden, positions, mask, step, logits_at)
-    -> (logits [B, K, V], hidden [B, K, H])``; this class gives both heads the same cached
-    (inference) and full-sequence (training) entry points."""
+    [B, T])``. Subclasses implement ``_states(input_ids, hidden, positions, mask, step) -> h
+    [B, T, H]`` (the layers), ``_logits(h) -> [..., V]`` and ``_feedback(h)`` (the state the
+    next step takes); this class gives all heads the same cached (inference) and full-sequence
+    (training) entry points. The split lets training apply the LM head only where a loss is
+    taken (``forward_train(select=)``): with the whole vocabulary, the ``[B, T, V]`` logits and
+    their softmax were most of an EAGLE-3 training step."""
 
     def init_shared_heads(self) -> None:
         """Slots for the target's embedding and LM head (shared by ``attach_target``, never
@@ -214,18 +217,20 @@ class PairDrafter(torch.nn.Module):
         (default: every position)."""
         b, t = input_ids.shape
         step = cache.plan(b, t, slots, num_tokens, kv_len)
-        out = self._run(input_ids, hidden, step.positions, cache_mask(step), step, logits_at)
+        h = self._states(input_ids, hidden, step.positions, cache_mask(step), step)  # [B, T, H]
         cache.advance(step)
-        return out
+        h = gather_rows(h, logits_at)  # [B, K, H]
+        return self._logits(h), self._feedback(h)
 
     def forward_train(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
-                      attention_mask: Tensor | None = None,
-                      kv: StepKV | None = None) -> tuple[Tensor, Tensor]:
-        """Full-sequence step for training (one TTT step).
+                      attention_mask: Tensor | None = None, kv: StepKV | None = None,
+                      select: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Full-sequence step for training (one TTT step): ``(logits, hidden [B, T, H])``.
 
         ``attention_mask`` bool ``[B, T, S]`` / ``[B, 1, T, S]`` (True = attend) over the keys of
         ``kv`` (earlier steps) followed by this step's; None = causal (only without earlier keys).
-        ``position_ids [B, T]`` default ``0 .. T-1``.
+        ``position_ids [B, T]`` default ``0 .. T-1``. ``select`` bool ``[B, T]``: logits only at
+        those positions, ``[N, V]`` in row-major order (None: everywhere, ``[B, T, V]``).
         """
         b, t = input_ids.shape
         if position_ids is None:
@@ -234,4 +239,5 @@ class PairDrafter(torch.nn.Module):
         if mask is None and kv is not None and kv.length:
             raise ValueError("forward_train: an attention_mask is required once kv holds "
                              "earlier steps' keys")
-        return self._run(input_ids, hidden, position_ids, mask, kv, None)
+        h = self._states(input_ids, hidden, position_ids, mask, kv)  # [B, T, H]
+        return self._logits(h if select is None else h[select]), self._feedback(h)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (PairDrafter, StepKV, gather_rows, hf_layer_config,
+from infer.drafters.common import (PairDrafter, StepKV, hf_layer_config,
                                    read_checkpoint, share_target_heads, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
@@ -146,15 +146,20 @@ class EagleDrafter(PairDrafter):
     def to_target_probs(self, q: Tensor) -> Tensor:
         return q
 
-    def _run(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
-             step: CacheStep | StepKV | None, logits_at: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _states(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
+                step: CacheStep | StepKV | None) -> Tensor:
         self._need_target()
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [B, T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, x.dtype)
-        h = gather_rows(self.layers[0](x, cos, sin, mask, step), logits_at)  # [B, K, H]
+        return self.layers[0](x, cos, sin, mask, step)  # [B, T, H]
+
+    def _logits(self, h: Tensor) -> Tensor:
         # the shared head may be in the target's dtype while a trained head is fp32
-        return self.lm_head(h.to(self.lm_head.weight.dtype)), h
+        return self.lm_head(h.to(self.lm_head.weight.dtype))  # [..., V]
+
+    def _feedback(self, h: Tensor) -> Tensor:
+        return h
 
     # ---- checkpoint --------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from infer.drafters.common import (PairDrafter, StepKV, d2t_from_ids, draft_to_target_ids,
-                                   draft_to_target_probs, gather_rows, hf_layer_config,
+                                   draft_to_target_probs, hf_layer_config,
                                    read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
@@ -401,16 +401,20 @@ class Eagle3Drafter(PairDrafter):
             aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(aux)
 
-    def _run(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
-             step: CacheStep | StepKV | None, logits_at: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _states(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
+                step: CacheStep | StepKV | None) -> Tensor:
         embeds = self.embed(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, hidden.dtype)
         h = self.layers[0](embeds, hidden, cos, sin, mask, step)  # [B, T, H]
         for layer in self.layers[1:]:  # plain Llama layers over h (vLLM's layer_idx > 0)
             h = layer(h, cos, sin, mask, step)  # [B, T, H]
-        h = gather_rows(h, logits_at)  # [B, K, H]
-        normed = self.norm(h)
-        return self.lm_head(normed), (normed if self.config.norm_output else h)
+        return h
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.norm(h))  # [..., Vd]
+
+    def _feedback(self, h: Tensor) -> Tensor:
+        return self.norm(h) if self.config.norm_output else h
 
     # ---- checkpoint --------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import PairDrafter, StepKV, gather_rows, share_target_heads
+from infer.drafters.common import PairDrafter, StepKV, share_target_heads
 from infer.errors import FileFormatError
 from infer.files import check_tensors, open_safetensors, read_json
 from infer.kv_cache import CacheStep
@@ -100,17 +100,21 @@ class MTPDrafter(PairDrafter):
     def to_target_probs(self, q: Tensor) -> Tensor:
         return q
 
-    def _run(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
-             step: CacheStep | StepKV | None, logits_at: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _states(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
+                step: CacheStep | StepKV | None) -> Tensor:
         if self.embed_tokens is None or self.lm_head is None:
             raise RuntimeError("MTPDrafter shares the target's embedding and LM head; call "
                                "attach_target(target) first")
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)  # vLLM: no embedding at 0
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, embeds.dtype)
-        o = self.mtp_layers[0].predict(embeds, hidden, cos, sin, mask, step)  # [B, T, H]
-        o = gather_rows(o, logits_at)  # [B, K, H]
-        return self.lm_head(o.to(self.lm_head.weight.dtype)), o
+        return self.mtp_layers[0].predict(embeds, hidden, cos, sin, mask, step)  # [B, T, H]
+
+    def _logits(self, o: Tensor) -> Tensor:
+        return self.lm_head(o.to(self.lm_head.weight.dtype))  # [..., V]
+
+    def _feedback(self, o: Tensor) -> Tensor:
+        return o
 
     # ---- the target's checkpoint ---------------------------------------------------------------
 

@@ -72,16 +72,15 @@ class EagleObjective(TTTObjective):
     def features(self, batch: dict[str, Tensor]) -> Tensor:
         return self.noisy(batch["hidden"].to(self.drafter.fc.weight.dtype))  # [B, T, H]
 
-    def targets(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        hidden = batch["hidden"]  # [B, T, H]
+    def targets(self, batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+        hidden = batch["hidden"][rows]  # [M, H]
         logits = self.heads.lm_head(hidden.to(self.heads.lm_head.weight.dtype)).float()
-        return {"hidden": hidden, "logp": F.log_softmax(logits, dim=-1)}  # [B, T, V]
+        return {"hidden": hidden, "logp": F.log_softmax(logits, dim=-1)}  # [M, V]
 
     def step_loss(self, step, logits, hidden, targets):
-        feature = targets["hidden"][:, 1 + step:]  # [B, n, H]: f_{t+1+step}
-        target = targets["logp"][:, 1 + step:]  # [B, n, V]
+        feature, target = targets["hidden"], targets["logp"]  # [N, H] (f_{t+1+step}), [N, V]
         reg = F.smooth_l1_loss(hidden.float(), feature.float(), reduction="none").mean(-1)
-        kl = forward_kl(logits, target)  # [B, n]
+        kl = forward_kl(logits, target)  # [N]
         loss = self.regression_weight * reg + self.ce_weight * kl
         return loss, logits.argmax(-1) == target.argmax(-1), {"regression": reg, "kl": kl}
 

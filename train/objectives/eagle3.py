@@ -142,25 +142,33 @@ class Eagle3Objective(TTTObjective):
                              "features captured for another drafter.aux_layer_ids?")
         return self.drafter.prepare(self.noisy(aux.to(self.drafter.fc.weight.dtype)))  # [B, T, H]
 
-    def targets(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    def targets(self, batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+        return self.distributions(batch["hidden"][rows])  # [M, ...]
+
+    def distributions(self, hidden: Tensor) -> dict[str, Tensor]:
+        """At the target's final states ``hidden [..., H]``: its log-distribution over the
+        draft vocabulary (``logp [..., Vd]``), its greedy token over the whole vocabulary
+        (``argmax [...]``, target ids) and whether that lies outside the draft vocabulary
+        (``oov [...]`` bool)."""
         head = self.heads.lm_head
-        rows = self.drafter.to_target_ids(
+        ids = self.drafter.to_target_ids(
             torch.arange(self.drafter.config.draft_vocab_size, device=self.drafter.d2t.device))
-        rows = rows.to(head.weight.device)
-        weight = head.weight[rows]  # [Vd, H]: only the draft vocabulary's rows
-        bias = head.bias[rows] if head.bias is not None else None
-        hidden = batch["hidden"].to(weight.dtype)  # [B, T, H]
-        logits = F.linear(hidden, weight, bias).float()  # [B, T, Vd]
-        argmax = full_vocab_argmax(hidden, head)  # [B, T] target ids
+        ids = ids.to(head.weight.device)
+        weight = head.weight[ids]  # [Vd, H]: only the draft vocabulary's rows
+        bias = head.bias[ids] if head.bias is not None else None
+        hidden = hidden.to(weight.dtype)
+        logits = F.linear(hidden, weight, bias).float()  # [..., Vd]
+        if ids.numel() == head.weight.shape[0]:  # the whole vocabulary, reordered
+            argmax = ids[logits.argmax(-1)]  # [...] target ids
+        else:
+            argmax = full_vocab_argmax(hidden, head)  # [...] target ids
         return {"logp": F.log_softmax(logits, dim=-1), "argmax": argmax,
-                "oov": ~self.drafter.t2d.to(argmax.device)[argmax]}  # [B, T] bool
+                "oov": ~self.drafter.t2d.to(argmax.device)[argmax]}
 
     def step_loss(self, step, logits, hidden, targets):
-        target = targets["logp"][:, 1 + step:]  # [B, n, Vd]: the target at t + 1 + step
-        kl = forward_kl(logits, target)  # [B, n]
-        proposed = self.drafter.to_target_ids(logits.argmax(-1))  # [B, n] target ids
-        correct = proposed == targets["argmax"][:, 1 + step:]
-        return kl, correct, {"oov_rate": targets["oov"][:, 1 + step:].float()}
+        kl = forward_kl(logits, targets["logp"])  # [N]
+        proposed = self.drafter.to_target_ids(logits.argmax(-1))  # [N] target ids
+        return kl, proposed == targets["argmax"], {"oov_rate": targets["oov"].float()}
 
     # ---- export ------------------------------------------------------------------------------
 
@@ -172,16 +180,17 @@ class Eagle3Objective(TTTObjective):
 
 
 def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = 256) -> Tensor:
-    """The target's greedy token at every position: ``[B, T, H]`` -> ``[B, T]`` target ids.
+    """The target's greedy token at every position: ``[..., H]`` -> ``[...]`` target ids.
 
-    Chunked over positions so that no ``[B, T, vocab]`` tensor exists at once (8B targets:
-    a 128k vocabulary times a 2k-token row would be 1 GB per row in fp32).
+    Chunked over positions so that no ``[positions, vocab]`` tensor exists at once (8B targets:
+    a 128k vocabulary times 2k positions would be 1 GB in fp32; 256 at a time: 128 MB).
     """
-    out = torch.empty(hidden.shape[:-1], dtype=torch.long, device=hidden.device)  # [B, T]
-    for start in range(0, hidden.shape[1], chunk):
-        part = F.linear(hidden[:, start:start + chunk], head.weight, head.bias)  # [B, c, V]
-        out[:, start:start + chunk] = part.argmax(-1)
-    return out
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [P, H]
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)  # [P]
+    for start in range(0, flat.shape[0], chunk):
+        part = F.linear(flat[start:start + chunk], head.weight, head.bias)  # [c, V]
+        out[start:start + chunk] = part.argmax(-1)
+    return out.reshape(hidden.shape[:-1])
 
 
 def init_lm_head(drafter: Eagle3Drafter, head: torch.nn.Linear, target_ids: Tensor) -> None:

@@ -68,13 +68,12 @@ class MTPObjective(TTTObjective):
         dtype = self.drafter.mtp_layers[0].input_proj.weight.dtype
         return self.noisy(batch["aux"].to(dtype))  # [B, T, H] before the final norm
 
-    def targets(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {"next": shift_left(batch["input_ids"], 1)}  # [B, T]: row t holds x_{t+1}
+    def targets(self, batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+        return {"next": shift_left(batch["input_ids"], 1)[rows]}  # [M]: row r holds x_{r+1}
 
     def step_loss(self, step, logits, hidden, targets):
-        n = logits.shape[1]
-        tokens = targets["next"][:, 1 + step: 1 + step + n]  # [B, n]: x_{t+2+step}
-        ce = F.cross_entropy(logits.float().transpose(1, 2), tokens, reduction="none")  # [B, n]
+        tokens = targets["next"]  # [N]: x_{t+2+step}
+        ce = F.cross_entropy(logits.float(), tokens, reduction="none")  # [N]
         return ce, logits.argmax(-1) == tokens, {"ce": ce}
 
     # ---- export ------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ class PEagleObjective(Eagle3Objective):
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:
         t = batch["input_ids"].shape[1]
         with torch.no_grad():
-            targets = self.targets(batch)
+            targets = self.distributions(batch["hidden"])  # [B, T, ...]
         r, logits = self.rows(batch, self.selection(batch))  # [B, N, Vd]
         kl = forward_kl(logits, targets["logp"][:, r.target_index])  # [B, N]
         loss = masked_mean(kl, r.valid)  # every trained row once (module doc)

@@ -21,8 +21,12 @@ id 0; they only reach queries whose (t, s) is invalid.
 Gradients flow through the fed-back states (as in speculators and SpecForge): step ``s``'s loss
 also trains how the earlier steps shape the state they hand on.
 
-Loss of step ``s``: per-position loss (the method's) averaged over its valid positions; total =
-``sum_s step_weight ** s * loss_s``. Metrics (detached, no host sync): ``loss/step_s``, ``acc_s``
+Loss of step ``s``: per-position loss (the method's) averaged over its valid positions; the LM
+head, the targets and the loss are computed at those positions only (``forward_train(select=)``,
+``target_rows``): computed everywhere, the ``[B, T, V]`` tensors took over half of a default
+EAGLE-3 step with the whole vocabulary (docs/benchmarks.md); the boolean selections cost one
+small host sync per step. Total = ``sum_s step_weight ** s * loss_s``. Metrics (detached, no
+host sync of their own): ``loss/step_s``, ``acc_s``
 (draft argmax == target argmax), ``full_acc_s`` (steps ``0 .. s`` all right from the same anchor:
 the chance a greedy chain accepts ``s + 1`` drafts), ``cond_acc_s`` (right at ``s`` given
 ``0 .. s-1`` right) and ``acceptance_length_est = 1 + sum_s full_acc_s`` (docs/reference.md §3).
@@ -40,7 +44,6 @@ from infer.drafters.common import StepKV
 from train.config import validate_section
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
-from train.objectives.losses import masked_mean
 
 
 def ttt_attention_mask(doc_ids: Tensor, step: int) -> Tensor:
@@ -66,6 +69,26 @@ def step_valid(loss_mask: Tensor, doc_ids: Tensor, step: int) -> Tensor:
     if t > k:
         valid[:, : t - k] = loss_mask[:, k:].bool() & (doc_ids[:, k:] == doc_ids[:, : t - k])
     return valid
+
+
+def target_rows(loss_mask: Tensor) -> Tensor:
+    """Bool ``[B, T]``: the rows whose target distribution some step compares with. Anchor
+    ``t`` of step ``s`` compares with row ``r = t + 1 + s`` and trains only if ``loss_mask[r +
+    1]``, so these are the rows before a loss token: targets are computed there only (the
+    assistant tokens were ~40 % of the default recipe's packed rows)."""
+    return shift_left(loss_mask.bool(), 1, fill=False)
+
+
+def step_index(rows: Tensor, valid: Tensor, step: int) -> Tensor:
+    """``[N]`` indices into targets computed at ``rows`` (one per True, row-major) for the
+    ``N`` valid anchors of ``step`` (``valid`` bool ``[B, T]``, the order of ``x[valid]``):
+    anchor ``t`` reads row ``t + 1 + step``, which ``target_rows`` always holds."""
+    t = valid.shape[1]
+    at = torch.zeros_like(valid)  # [B, T]: the rows the valid anchors read
+    if t > 1 + step:
+        at[:, 1 + step:] = valid[:, : t - 1 - step]
+    compact = rows.flatten().cumsum(0) - 1  # [B * T]: index of each row among ``rows``
+    return compact[at.flatten()]
 
 
 def shift_left(x: Tensor, n: int, fill: int = 0) -> Tensor:
@@ -127,40 +150,45 @@ class TTTObjective(Objective):
         """Step-0 hidden input of the drafter ``[B, T, H]`` (noise applied)."""
 
     @abstractmethod
-    def targets(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Per-position targets over the whole row, ``[B, T, ...]`` (called under no_grad)."""
+    def targets(self, batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+        """Targets at the ``M`` True positions of ``rows`` (bool ``[B, T]``, ``target_rows``),
+        each ``[M, ...]`` in row-major order (called under no_grad)."""
 
     @abstractmethod
     def step_loss(self, step: int, logits: Tensor, hidden: Tensor, targets: dict[str, Tensor]
                   ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Rows ``0 .. n-1`` of step ``step``'s ``logits [B, n, V]`` / ``hidden [B, n, H]``
-        against ``targets`` rows ``1 + step ..`` -> ``(loss [B, n], correct [B, n] bool,
-        extras {name: [B, n]})``."""
+        """Step ``step``'s ``logits [N, V]`` / ``hidden [N, H]`` at its ``N`` valid anchors
+        against ``targets`` at the rows they read (``[N, ...]``) -> ``(loss [N], correct [N]
+        bool, extras {name: [N]})``."""
 
-    def unroll(self, batch: dict[str, Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
-        """The TTT chain: per step ``(logits [B, T, V], hidden [B, T, H])`` (module doc)."""
+    def unroll(self, batch: dict[str, Tensor], valids: list[Tensor] | None = None
+               ) -> Iterator[tuple[Tensor, Tensor]]:
+        """The TTT chain: per step ``s`` (``logits`` at the anchors ``valids[s]``, ``[N_s, V]``,
+        or everywhere without ``valids``, ``[B, T, V]``; ``hidden [B, T, H]``) (module doc)."""
         ids, pos, docs = batch["input_ids"], batch["position_ids"], batch["doc_ids"]  # [B, T]
         hidden, kv = self.features(batch), StepKV()  # [B, T, H]
         for s in range(self.ttt_steps):
             logits, hidden = self.drafter.forward_train(
-                shift_left(ids, 1 + s), hidden, pos + s, ttt_attention_mask(docs, s), kv)
+                shift_left(ids, 1 + s), hidden, pos + s, ttt_attention_mask(docs, s), kv,
+                select=None if valids is None else valids[s])
             yield logits, hidden  # the next step feeds the head's own state back
 
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:
         loss_mask, docs = batch["loss_mask"].bool(), batch["doc_ids"]  # [B, T]
-        t = loss_mask.shape[1]
+        rows = target_rows(loss_mask)  # [B, T]
         with torch.no_grad():
-            targets = self.targets(batch)
-        stats, total, num_tokens = StepStats(), 0.0, None
-        for s, (logits, hidden) in enumerate(self.unroll(batch)):
-            n = max(t - 1 - s, 0)  # anchors whose target row t + 1 + s is inside the row
-            valid = step_valid(loss_mask, docs, s)  # [B, T]
-            loss_pos, correct, extras = self.step_loss(s, logits[:, :n], hidden[:, :n], targets)
-            loss = masked_mean(loss_pos, valid[:, :n])
+            targets = self.targets(batch, rows)  # {name: [M, ...]}
+        valids = [step_valid(loss_mask, docs, s) for s in range(self.ttt_steps)]  # [B, T] each
+        stats, total = StepStats(), 0.0
+        for s, (logits, hidden) in enumerate(self.unroll(batch, valids)):
+            valid = valids[s]
+            index = step_index(rows, valid, s)  # [N]
+            loss_pos, correct, extras = self.step_loss(
+                s, logits, hidden[valid], {k: v[index] for k, v in targets.items()})
+            count = max(index.numel(), 1)
+            loss = loss_pos.sum() / count
             total = total + self.step_weight ** s * loss
             padded = torch.zeros_like(valid)  # [B, T]
-            padded[:, :n] = correct
-            stats.add(s, loss, padded, valid,
-                      {k: masked_mean(v, valid[:, :n]) for k, v in extras.items()})
-            num_tokens = valid.sum() if num_tokens is None else num_tokens
-        return LossOutput(total, stats.metrics, num_tokens)
+            padded[valid] = correct
+            stats.add(s, loss, padded, valid, {k: v.sum() / count for k, v in extras.items()})
+        return LossOutput(total, stats.metrics, valids[0].sum())

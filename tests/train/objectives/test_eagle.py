@@ -13,7 +13,7 @@ from infer.drafters.eagle import EagleDrafter
 from infer.engine import LLM
 from infer.kv_cache import KVCache
 from infer.sampling import SamplingParams
-from train.objectives.ttt import step_valid, ttt_attention_mask
+from train.objectives.ttt import step_valid, target_rows, ttt_attention_mask
 from .test_eagle3 import build, make_env, train_briefly
 
 
@@ -82,7 +82,8 @@ def test_noise_on_inputs_not_on_targets(env, train_data):
     batch = env[2][0]
     noisy = obj.features(batch)
     assert 0 < (noisy - batch["hidden"]).abs().max() <= 0.3 + 1e-6
-    assert torch.equal(obj.targets(batch)["hidden"], batch["hidden"])
+    rows = target_rows(batch["loss_mask"])
+    assert torch.equal(obj.targets(batch, rows)["hidden"], batch["hidden"][rows])
     assert torch.equal(obj.eval().features(batch), batch["hidden"])
 
 

@@ -17,7 +17,8 @@ from infer.sampling import SamplingParams
 from train.config import TrainConfig
 from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
-from train.objectives.ttt import StepStats, shift_left, step_valid, ttt_attention_mask
+from train.objectives.ttt import (StepStats, shift_left, step_valid, target_rows,
+                                  ttt_attention_mask)
 from ..conftest import adam_steps, feature_batches
 
 T_, F_ = True, False
@@ -313,21 +314,49 @@ def test_served_greedy_output_identical(trained, train_data, tmp_path):
 
 # ---- trainer quality: full-vocab accuracy, LM head init, keys -----------------------------------
 
+def test_loss_at_trained_positions_equals_the_loss_over_whole_rows(env, train_data):
+    """The LM head, the targets and the KL are computed only where a step trains
+    (``forward_train(select=)``, ``target_rows``); loss, accuracy and gradients equal those of
+    the same computation over every position of every row, masked afterwards."""
+    obj = build("eagle3", env, train_data, seed=3, step_weight=0.8).eval()
+    batch = env[2][1]
+    mask, docs = batch["loss_mask"].bool(), batch["doc_ids"]  # [B, T]
+    t = mask.shape[1]
+    ids = train_data.vocab.target_ids()
+    params = [p for p in obj.drafter.parameters() if p.requires_grad]
+    out = obj(batch)
+    got = torch.autograd.grad(out.loss, params)
+    logp = torch.log_softmax(batch["hidden"] @ env[1].lm_head.weight[ids].T, -1)  # [B, T, Vd]
+    greedy = env[1].lm_head(batch["hidden"]).argmax(-1)  # [B, T]
+    want = 0.0
+    for s, (logits, _) in enumerate(obj.unroll(batch)):  # logits [B, T, Vd] everywhere
+        valid = step_valid(mask, docs, s)[:, : t - 1 - s]  # [B, n]
+        target = logp[:, 1 + s:]  # [B, n, Vd]
+        kl = (target.exp() * (target - torch.log_softmax(logits[:, : t - 1 - s], -1))).sum(-1)
+        want = want + 0.8 ** s * kl[valid].mean()
+        right = ids[logits[:, : t - 1 - s].argmax(-1)] == greedy[:, 1 + s:]  # [B, n]
+        assert torch.allclose(out.metrics[f"acc_{s}"], right[valid].float().mean())
+    assert torch.allclose(out.loss, want, rtol=1e-5)
+    for g, w in zip(got, torch.autograd.grad(want, params)):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-7)
+
+
 def test_accuracy_is_against_the_full_vocabulary_argmax(env, train_data):
     """A head proposing the target's best draft-vocabulary token is still wrong wherever the
     target's greedy token lies outside the draft vocabulary; that rate is logged."""
     obj = build("eagle3", env, train_data)
     batch = env[2][0]
+    rows = target_rows(batch["loss_mask"])  # [B, T]
     with torch.no_grad():
-        targets = obj.targets(batch)
+        targets = obj.targets(batch, rows)  # [M, ...]
     greedy = env[1].lm_head(batch["hidden"]).argmax(-1)  # [B, T] over the full vocabulary
-    assert torch.equal(targets["argmax"], greedy)
+    assert torch.equal(targets["argmax"], greedy[rows])
     oov = ~train_data.vocab.t2d[greedy]  # [B, T]
     assert 0 < oov.float().mean() < 1
-    best_in_vocab = targets["logp"][:, 1:]  # [B, T - 1, Vd]: a perfect draft-vocab proposal
+    best_in_vocab = targets["logp"]  # [M, Vd]: a perfect draft-vocab proposal
     _, correct, extras = obj.step_loss(0, best_in_vocab, None, targets)
-    assert torch.equal(correct, ~oov[:, 1:])
-    assert torch.equal(extras["oov_rate"], oov[:, 1:].float())
+    assert torch.equal(correct, ~oov[rows])
+    assert torch.equal(extras["oov_rate"], oov[rows].float())
     metrics = obj(batch).metrics
     valid = step_valid(batch["loss_mask"], batch["doc_ids"], 0)
     want = oov[:, 1:][valid[:, :-1]].float().mean()
