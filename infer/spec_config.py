@@ -122,6 +122,7 @@ _FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "suffix_decoding_max_spec_factor": (check_float, {"low": 0.0, "low_open": True}),
     "suffix_decoding_min_token_prob": (check_float, {"low": 0.0, "high": 1.0}),
     "draft_tree_siblings": (check_int, {"minimum": 0}),
+    "draft_tree_max_batch": (check_int, {"minimum": 1}),
 }
 
 
@@ -151,6 +152,9 @@ class SpeculativeConfig:
     # draftsmith's own (vLLM has no trees since 0.21): greedy batches of eagle / eagle3 chains
     # verify each draft's next-best head tokens beside it (infer/draft_tree.py); 0 = a chain
     draft_tree_siblings: int = 0
+    # a step with more running requests keeps the chain: the tree's larger verify forward pays
+    # where verify tokens are nearly free (on the CPU: batch <= 2; docs/benchmarks.md)
+    draft_tree_max_batch: int = 2
 
     def __post_init__(self) -> None:
         if self.method in MTP_ALIASES:

@@ -67,6 +67,7 @@ class EagleChainProposer(Proposer):
         self.pending: dict[int, Tensor] = {}  # slot -> [m, H] prepared features not yet fed
         self.sample = spec.draft_sample_method == "probabilistic"  # else argmax drafts
         self.siblings = 0 if self.sample else spec.draft_tree_siblings  # next-best per draft
+        self.tree_max_batch = spec.draft_tree_max_batch  # larger steps keep the chain
         vocab = self.drafter.lm_head.weight.shape[0]  # the head's (draft) vocabulary
         if self.siblings >= vocab:
             raise config_error("draft_tree_siblings", self.siblings, f"fewer than the head's "
@@ -149,11 +150,12 @@ class EagleChainProposer(Proposer):
         logits, hidden = self.drafter(ids, feats, self.cache, rows, num_tokens=counts,
                                       logits_at=(counts - 1)[:, None])  # [B, 1, V'], [B, 1, H]
         tokens, probs, sibs = [], [], []
+        tree = self.siblings and len(batch.slots) <= self.tree_max_batch
         for step in range(batch.k):
             tok, q = self._choose(logits, batch)  # [B, 1] target ids, [B, 1, vocab] or None
             tokens.append(tok)
             probs.append(q)
-            if self.siblings:
+            if tree:
                 sibs.append(self._next_best(logits))  # [B, 1, S]
             if step + 1 < batch.k:
                 logits, hidden = self._decode(tok, hidden, slots, rows, batch, step)

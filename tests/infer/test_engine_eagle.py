@@ -195,6 +195,29 @@ def test_sibling_tree_moves_accepted_nodes_into_place(target4, heads, siblings, 
     assert llm.get_metrics()["mean_acceptance_length"] > 2.5  # deep paths were taken
 
 
+def test_sibling_tree_only_up_to_its_batch_size(target4, heads):
+    """draft_tree_max_batch: a step with more running requests proposes (and verifies) the
+    plain chain, one with at most that many the tree; output equals greedy decoding either way."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (6, 10, 14, 30)]  # the batch shrinks from 4 rows to 1
+    base = LLM(target4, max_num_seqs=4).generate(PROMPTS, params)
+    spec = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 3,
+            "draft_tree_siblings": 2, "draft_tree_max_batch": 2}
+    llm = LLM(target4, speculative_config=spec, max_num_seqs=4)
+    inner, seen = llm.proposer.propose, []
+
+    def record(batch):
+        proposal = inner(batch)
+        seen.append((len(batch.slots), proposal.sibling_ids is not None))
+        return proposal
+
+    llm.proposer.propose = record
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert {rows: tree for rows, tree in seen} == {rows: rows <= 2 for rows, _ in seen}
+    assert {rows for rows, _ in seen} >= {1, 4}
+
+
 def test_sibling_tree_runs_to_max_model_len(target4, heads):
     """Siblings take verify columns past the accepted tokens': a request that fills the context
     still fits the cache, and its output equals plain greedy decoding's."""

@@ -135,6 +135,8 @@ BAD = [
      ["'prompt_lookup_min'", "0", ">= 1"]),
     ({"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 0},
      ["'suffix_decoding_max_tree_depth'", "0", ">= 1"]),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_tree_max_batch": 0},
+     ["'draft_tree_max_batch'", "0", ">= 1"]),
     ({"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_cached_requests": -1},
      ["'suffix_decoding_max_cached_requests'", "-1", ">= 0"]),
     ({"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_spec_factor": 0},
