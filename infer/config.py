@@ -84,7 +84,8 @@ class EvalConfig:
     """train.py: prompts of that periodic measurement (the first of the evaluation prompts)."""
     methods: List[Any] = field(default_factory=_default_methods)
     """speculative_config mappings without num_speculative_tokens; an optional "name" labels one
-    in reports. train.py runs them beside the trained drafter."""
+    in reports, an optional "ks" list replaces eval.ks for it. train.py runs them beside the
+    trained drafter."""
     ks: List[int] = field(default_factory=lambda: [1, 3, 5])
     """num_speculative_tokens values to measure."""
     temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])

@@ -96,7 +96,8 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
                   temperatures: Sequence[float] = (0.0,),
                   batch_sizes: Sequence[int] = (1,)) -> list[HarnessConfig]:
     """methods x ks x temperatures x batch sizes. A method is a speculative_config mapping with
-    an optional ``name`` (its label; default the method, which must then be unique)."""
+    an optional ``name`` (its label; default the method, which must then be unique) and an
+    optional ``ks`` of its own in place of ``ks`` (a baseline row that needs one k only)."""
     if not methods or not ks or not temperatures or not batch_sizes:
         raise config_error("methods/ks/temperatures/batch_sizes",
                            [list(methods), list(ks), list(temperatures), list(batch_sizes)],
@@ -110,16 +111,28 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
             raise config_error(f"methods[{i}].num_speculative_tokens", m["num_speculative_tokens"],
                                "no value: k comes from the 'ks' list", _WHERE)
         name = m.pop("name", None) or m.get("method")
+        own_ks = _method_ks(m.pop("ks", None), i)
         if not name:  # method inferred from the draft (validates the mapping early, too)
             name = SpeculativeConfig.parse({**m, "num_speculative_tokens": 1}).method
-        labelled.append((str(name), m))
-    names = [n for n, _ in labelled]
+        labelled.append((str(name), m, own_ks or ks))
+    names = [n for n, _, _ in labelled]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise config_error("methods", names, f"unique labels; give each of {dupes} a 'name'",
                            _WHERE)
     return [HarnessConfig(m, int(k), float(t), int(b), name)
-            for name, m in labelled for k in ks for t in temperatures for b in batch_sizes]
+            for name, m, m_ks in labelled for k in m_ks for t in temperatures for b in batch_sizes]
+
+
+def _method_ks(value: Any, i: int) -> list[int] | None:
+    """``methods[i].ks``: None, or a non-empty list of ks >= 1."""
+    if value is None:
+        return None
+    if (isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value
+            or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in value)):
+        raise config_error(f"methods[{i}].ks", value, "a non-empty list of ks >= 1 (this "
+                           "method's num_speculative_tokens values, in place of 'ks')", _WHERE)
+    return list(value)
 
 
 # ---- one run --------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
-"""The end-of-training evaluation renders its prompts as the training data was rendered."""
+"""The end-of-training evaluation renders its prompts as the training data was rendered, and
+compares the methods the default recipe names at the ks it names."""
 
 import pytest
+from omegaconf import OmegaConf
 
 from train.config import TrainConfig
-from train.evaluate import eval_prompts
+from train.evaluate import eval_prompts, harness_configs
 
 from .conftest import thinking_target
+from .test_config import compose_train
 
 
 def test_data_enable_thinking_reaches_the_eval_prompts(tmp_path, train_target):
@@ -20,3 +23,21 @@ def test_data_enable_thinking_reaches_the_eval_prompts(tmp_path, train_target):
     with pytest.raises(ValueError, match="eval.chat_template_kwargs.enable_thinking=True "
                                          "contradicts data.enable_thinking=False"):
         eval_prompts(cfg, target)
+
+
+def test_default_recipe_compares_every_method_at_its_best_k(tmp_path):
+    """`python train.py`'s evaluation (the tiny_eagle3 recipe): the trained head, n-gram and
+    suffix decoding at k = 1, 3, 5 (goal: each at its best k), the untrained draft LM, a
+    reference row, at k = 3 only."""
+    cfg = OmegaConf.to_object(compose_train([]))
+    draft = tmp_path / "t-draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    configs = harness_configs(cfg, {"method": "eagle3", "model": "head"}, str(tmp_path / "t"))
+    ks = {}
+    for c in configs:
+        ks.setdefault(c.method, set()).add(c.k)
+    assert ks == {"tiny_eagle3": {1, 3, 5}, "ngram": {1, 3, 5}, "suffix": {1, 3, 5},
+                  "draft_model": {3}}
+    assert {(c.temperature, c.batch_size) for c in configs} == {(0.0, 1), (0.0, 8), (1.0, 1),
+                                                                (1.0, 8)}

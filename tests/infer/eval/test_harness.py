@@ -248,6 +248,18 @@ def test_expand_matrix_labels_and_errors():
         HarnessConfig({"method": "ngram"}, 0)
 
 
+def test_expand_matrix_takes_a_method_s_own_ks():
+    """A method's ``ks`` replaces the matrix's for it (a reference row measured at one k)."""
+    cfgs = expand_matrix([{"method": "ngram"}, {"method": "suffix", "ks": [3]}], ks=[1, 3, 5],
+                         temperatures=[0.0, 1.0])
+    assert [(c.method, c.k) for c in cfgs if c.temperature == 0.0] == [
+        ("ngram", 1), ("ngram", 3), ("ngram", 5), ("suffix", 3)]
+    assert all("ks" not in c.speculative_config for c in cfgs)
+    for bad in ([], [0], "3", [True], 3):
+        with pytest.raises(ValueError, match=r"methods\[1\]\.ks"):
+            expand_matrix([{"method": "ngram"}, {"method": "suffix", "ks": bad}], ks=[1])
+
+
 # ---- prompt sets ----------------------------------------------------------------------------
 
 class ChatTokenizer:
