@@ -40,7 +40,7 @@ def greedy_lossless(target, spec, prompts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,extra", [
-    ("tiny_eagle3", ["objective.ttt_steps=2"]),
+    ("tiny_eagle3", ["objective.ttt_steps=2", "features.mode=online"]),
     ("tiny_eagle3", ["objective.ttt_steps=2", "features.mode=offline",
                      "features.dtype=float32", "features.rows_per_shard=4",
                      "eval.every_steps=2"]),
