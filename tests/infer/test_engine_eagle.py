@@ -139,8 +139,9 @@ def test_two_layer_eagle3_greedy_equals_autoregressive(target4, heads, k, max_nu
 def _tree_and_chain(target, head, method, k, siblings, max_num_seqs, params):
     spec = {"method": method, "model": head, "num_speculative_tokens": k}
     chain = LLM(target, speculative_config=spec, max_num_seqs=max_num_seqs)
-    tree = LLM(target, speculative_config={**spec, "draft_tree_siblings": siblings},
-               max_num_seqs=max_num_seqs)
+    tree = LLM(target, speculative_config={**spec, "draft_tree_siblings": siblings,
+                                           "draft_tree_max_batch": max_num_seqs},
+               max_num_seqs=max_num_seqs)  # a tree at every batch size
     return tree, tree.generate(PROMPTS, params), chain, chain.generate(PROMPTS, params)
 
 
@@ -172,7 +173,7 @@ def test_sibling_tree_moves_accepted_nodes_into_place(target4, heads, siblings, 
     full = [list(p) + list(b.token_ids) for p, b in zip(PROMPTS, base)]
     k = 4
     spec = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": k,
-            "draft_tree_siblings": siblings}
+            "draft_tree_siblings": siblings, "draft_tree_max_batch": max_num_seqs}
     llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
     inner, gen = llm.proposer.propose, torch.Generator().manual_seed(0)
 
