@@ -162,6 +162,7 @@ def test_free_bytes_reads_the_nearest_existing_parent(tmp_path, monkeypatch):
 def test_plan_of_an_8b_config(llama8b, tmp_path, capsys):
     cfg = cfg_of(f"target.path={llama8b}", f"output_dir={tmp_path}", "data.num_examples=1000",
                  "data.max_length=2048", "features.mode=offline", "features.batch_size=2",
+                 "features.dtype=bfloat16",  # the tiny default recipe caches float32
                  "trainer.max_steps=null", "trainer.epochs=1", "trainer.micro_batch_size=2",
                  "trainer.grad_accum=4", "drafter.aux_layer_ids=null", "trainer.device=auto")
     plan = P.make_plan(cfg, env={"WORLD_SIZE": "2"})
@@ -193,7 +194,8 @@ def test_plan_true_refuses_a_cache_that_does_not_fit(llama8b, tmp_path, monkeypa
 def test_plan_online_does_not_check_the_disk(llama8b, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(GIB, GIB, 0))
-    plan = run(cfg_of(f"target.path={llama8b}", f"output_dir={tmp_path}", "plan=true"))
+    plan = run(cfg_of(f"target.path={llama8b}", f"output_dir={tmp_path}", "plan=true",
+                      "features.mode=online"))
     assert isinstance(plan, P.RunPlan) and plan.cache_bytes == 0
 
 
