@@ -259,7 +259,9 @@ def _check_methods(key: str, methods: Any, where: str) -> None:
         if "num_speculative_tokens" in m:
             raise config_error(f"{key}[{i}].num_speculative_tokens", m["num_speculative_tokens"],
                                "no value: k comes from eval.ks", where)
-        spec = {k: v for k, v in m.items() if k != "name"}
+        if "ks" in m:
+            check_list(f"{key}[{i}].ks", m["ks"], where, item=partial(check_int, minimum=1))
+        spec = {k: v for k, v in m.items() if k not in ("name", "ks")}
         if spec.get("method") == "draft_model" and not spec.get("model"):
             continue
         try:

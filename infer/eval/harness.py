@@ -30,6 +30,7 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -50,10 +51,11 @@ from infer.spec_config import SpeculativeConfig
 from infer.target import Target
 from infer.timing import EngineTimers
 from infer.tracking import Logger, NoopLogger
-from infer.validation import check_float, check_int, config_error
+from infer.validation import check_float, check_int, check_list, config_error
 
 log = logging.getLogger(__name__)
 _WHERE = "harness"
+_K = partial(check_int, minimum=1)  # a num_speculative_tokens value
 
 
 # ---- the matrix -----------------------------------------------------------------------------
@@ -111,7 +113,8 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
             raise config_error(f"methods[{i}].num_speculative_tokens", m["num_speculative_tokens"],
                                "no value: k comes from the 'ks' list", _WHERE)
         name = m.pop("name", None) or m.get("method")
-        own_ks = _method_ks(m.pop("ks", None), i)
+        own_ks = m.pop("ks", None)
+        check_list(f"methods[{i}].ks", own_ks, _WHERE, item=_K, optional=True)
         if not name:  # method inferred from the draft (validates the mapping early, too)
             name = SpeculativeConfig.parse({**m, "num_speculative_tokens": 1}).method
         labelled.append((str(name), m, own_ks or ks))
@@ -123,16 +126,6 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
     return [HarnessConfig(m, int(k), float(t), int(b), name)
             for name, m, m_ks in labelled for k in m_ks for t in temperatures for b in batch_sizes]
 
-
-def _method_ks(value: Any, i: int) -> list[int] | None:
-    """``methods[i].ks``: None, or a non-empty list of ks >= 1."""
-    if value is None:
-        return None
-    if (isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value
-            or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in value)):
-        raise config_error(f"methods[{i}].ks", value, "a non-empty list of ks >= 1 (this "
-                           "method's num_speculative_tokens values, in place of 'ks')", _WHERE)
-    return list(value)
 
 
 # ---- one run --------------------------------------------------------------------------------

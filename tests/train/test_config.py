@@ -120,6 +120,7 @@ def composed(overrides) -> TrainConfig:
      "'eval.methods[0].num_speculative_tokens': 3; expected no value: k comes from eval.ks"),
     ("eval.methods=[{method: nope}]", "eval.methods[0]: speculative_config: invalid value for "
                                       "'method': 'nope'"),
+    ("eval.methods=[{method: ngram, ks: [3, 0]}]", "'eval.methods[0].ks[1]': 0; expected"),
 ])
 def test_bad_values_are_refused_naming_key_value_and_allowed(override, message):
     from infer.errors import ConfigError

@@ -26,9 +26,9 @@ def test_data_enable_thinking_reaches_the_eval_prompts(tmp_path, train_target):
 
 
 def test_default_recipe_compares_every_method_at_its_best_k(tmp_path):
-    """`python train.py`'s evaluation (the tiny_eagle3 recipe): the trained head, n-gram and
-    suffix decoding at k = 1, 3, 5 (goal: each at its best k), the untrained draft LM, a
-    reference row, at k = 3 only."""
+    """`python train.py`'s evaluation (the tiny_eagle3 recipe): the trained head at k = 1, 3,
+    5, n-gram and suffix decoding at 3 and 5 (each where its best k lies), the untrained draft
+    LM, a reference row, at k = 3 only."""
     cfg = OmegaConf.to_object(compose_train([]))
     draft = tmp_path / "t-draft"
     draft.mkdir()
@@ -37,7 +37,7 @@ def test_default_recipe_compares_every_method_at_its_best_k(tmp_path):
     ks = {}
     for c in configs:
         ks.setdefault(c.method, set()).add(c.k)
-    assert ks == {"tiny_eagle3": {1, 3, 5}, "ngram": {1, 3, 5}, "suffix": {1, 3, 5},
+    assert ks == {"tiny_eagle3": {1, 3, 5}, "ngram": {3, 5}, "suffix": {3, 5},
                   "draft_model": {3}}
     assert {(c.temperature, c.batch_size) for c in configs} == {(0.0, 1), (0.0, 8), (1.0, 1),
                                                                 (1.0, 8)}
