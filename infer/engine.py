@@ -27,7 +27,7 @@ from infer.metrics import SpecMetrics
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (proposer_class, DraftBatch, Proposal, Proposer, ProposerContext,
                                   VerifiedStep)
-from infer.rejection import greedy_verify, rejection_sample
+from infer.rejection import argmax_verify, greedy_verify, rejection_sample
 from infer.request import Request, RequestOutput, make_requests, prefill_groups, request_output
 from infer.sampling import BatchGenerator, Generator, SamplingParams
 from infer.spec_config import SpeculativeConfig
@@ -254,7 +254,7 @@ class LLM:
             generator = self._generator(reqs)
             proposal = self._propose(reqs, temperature, top_k, top_p, generator)
             method = self.spec.rejection_sample_method if self.spec else "strict"
-            if proposal.sibling_ids is not None and _argmax_verify(temperature, method):
+            if proposal.sibling_ids is not None and argmax_verify(temperature, method):
                 return self._tree_step(reqs, slots, pending, proposal)  # chain + sibling leaves
             num_drafted = (proposal.draft_ids >= 0).sum(dim=1)  # [B]
             inputs = torch.cat([pending[:, None], proposal.draft_ids.clamp_min(0)],
@@ -294,7 +294,7 @@ class LLM:
         """The rejection sampler over the step's logits: ``[B, k + 1]`` emitted tokens, -1
         padded (all-greedy batches take the argmax path, which returns the same)."""
         logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
-        if _argmax_verify(temperature, method):
+        if argmax_verify(temperature, method):
             return greedy_verify(logits, proposal.draft_ids)
         return rejection_sample(
             logits, proposal.draft_ids, proposal.draft_probs, temperature=temperature,
@@ -466,11 +466,6 @@ def check_memory_budget(used: int, cache: int, total: int, utilization: float,
             f"{budget / gib:.2f} GiB of the device's {total / gib:.2f} GiB; lower max_model_len "
             "or max_num_seqs, or raise gpu_memory_utilization", _WHERE)
 
-
-def _argmax_verify(temperature, method: str) -> bool:
-    """All rows greedy (``_sampling_tensors`` gives a scalar when temperatures are uniform) and
-    no synthetic acceptance: the target's argmax decides the step (chain or tree)."""
-    return method != "synthetic" and not isinstance(temperature, torch.Tensor) and temperature <= 0
 
 
 def _measure(timer: Timer | None, rows: int = 0) -> ContextManager:

@@ -95,6 +95,15 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     return core(probs, draft_ids, num_drafts, uniforms, noise, q, accept_prob)
 
 
+def argmax_verify(temperature: Number | torch.Tensor | None, method: str) -> bool:
+    """Whether the target's argmax decides a step (:func:`greedy_verify`, or a draft tree's
+    walk): every row greedy (a scalar temperature <= 0; the engine passes a scalar when all rows
+    share one) and no synthetic acceptance. One rule for the engine and the proposers that
+    prepare a tree."""
+    return (method != "synthetic" and not isinstance(temperature, torch.Tensor)
+            and temperature is not None and temperature <= 0)
+
+
 def greedy_verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor) -> torch.Tensor:
     """What :func:`rejection_sample` returns when every row is greedy (temperature 0) and the
     method is ``strict`` or ``probabilistic``: accept drafts while they equal the target's argmax;

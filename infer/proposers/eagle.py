@@ -38,6 +38,7 @@ from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
                                   VerifiedStep)
+from infer.rejection import argmax_verify
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
 from infer.validation import config_error
@@ -150,7 +151,8 @@ class EagleChainProposer(Proposer):
         logits, hidden = self.drafter(ids, feats, self.cache, rows, num_tokens=counts,
                                       logits_at=(counts - 1)[:, None])  # [B, 1, V'], [B, 1, H]
         tokens, probs, sibs = [], [], []
-        tree = self.siblings and len(batch.slots) <= self.tree_max_batch
+        tree = (self.siblings and len(batch.slots) <= self.tree_max_batch
+                and argmax_verify(batch.temperature, self.spec.rejection_sample_method))
         for step in range(batch.k):
             tok, q = self._choose(logits, batch)  # [B, 1] target ids, [B, 1, vocab] or None
             tokens.append(tok)

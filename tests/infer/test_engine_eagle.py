@@ -219,6 +219,20 @@ def test_sibling_tree_only_up_to_its_batch_size(target4, heads):
     assert {rows for rows, _ in seen} >= {1, 4}
 
 
+def test_sampled_batches_prepare_no_tree(target4, heads):
+    """Greedy drafts at temperature 1 (strict rejection) are verified as a chain, so the proposer
+    does not rank siblings for them (infer.rejection.argmax_verify, the engine's rule)."""
+    spec = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 3,
+            "draft_tree_siblings": 2, "draft_sample_method": "greedy"}
+    llm = LLM(target4, speculative_config=spec, max_num_seqs=1, seed=0)
+    inner, seen = llm.proposer.propose, []
+    llm.proposer.propose = lambda batch: seen.append(inner(batch)) or seen[-1]
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=8, seed=1))
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8))
+    trees = [p.sibling_ids is not None for p in seen]
+    assert True in trees and False in trees and trees.index(True) > 0  # sampled first, no tree
+
+
 def test_sibling_tree_runs_to_max_model_len(target4, heads):
     """Siblings take verify columns past the accepted tokens': a request that fills the context
     still fits the cache, and its output equals plain greedy decoding's."""
