@@ -92,6 +92,24 @@ def group_mask(mask: Tensor, rep: int) -> Tensor:
     return mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, 1, rep * t, s)
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
+    """Scaled dot-product attention with grouped-query heads: ``q [B, heads, T, hd]``, ``k, v
+    [B, kv_heads, S, hd]``, bool ``mask [B, 1, T, S]`` (True = attend; on CUDA also already in
+    :func:`group_mask`'s layout) or None with ``causal`` -> ``[B, heads, T, hd]``."""
+    rep = q.shape[1] // k.shape[1]
+    t = q.shape[2]
+    if rep > 1 and mask is not None and q.is_cuda and mask.shape[1] == 1:
+        if mask.shape[-2] != rep * t:  # not grouped yet (Llama._run groups once per forward)
+            mask = group_mask(mask, rep)
+        return grouped_attention(q, k, v, mask)
+    if rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=True)
+    if rep > 1:  # expand kv heads to query heads (a copy; older torch)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, grouped_mask: Tensor) -> Tensor:
     """Masked grouped-query attention without repeating keys: the query heads that share a kv
     head become ``rep * T`` query rows of that head (``grouped_mask`` from :func:`group_mask`).
@@ -210,7 +228,9 @@ class Attention(nn.Module):
                 step: CacheStep | None = None) -> Tensor:
         """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` None: causal over ``x`` alone, or, for one
         query (``T == 1``), every key (a cached decode step of one row attends its whole cache
-        and needs no mask: see :func:`cache_mask`)."""
+        and needs no mask: see :func:`cache_mask`). ``step``: a cache step, or training-time-test
+        keys; keys that know their own structure (``attend``, e.g. ``TTTKeys``) compute the
+        attention themselves and ``mask`` is unused."""
         b, t, _ = x.shape
         causal = mask is None and t > 1
         qk, v = self._project_qkv(x)  # [B, T, (heads + kv_heads) * hd], [B, T, kv_heads * hd]
@@ -224,20 +244,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step is not None:
-            k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
-        rep = self.num_heads // self.num_kv_heads
-        if rep > 1 and mask is not None and q.is_cuda and mask.shape[1] == 1:
-            if mask.shape[-2] != rep * t:  # not grouped yet (Llama._run groups once per forward)
-                mask = group_mask(mask, rep)
-            out = grouped_attention(q, k, v, mask)
-        elif rep > 1 and _SDPA_GQA:  # SDPA maps query head h to kv head h // rep, no copy
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=True)
+        if step is not None and hasattr(step, "attend"):  # TTT keys with a known structure
+            out = step.attend(self.layer_idx, q, k, v)  # [B, heads, T, hd]
         else:
-            if rep > 1:  # expand kv heads to query heads (a copy; older torch)
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            if step is not None:
+                k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
+            out = attend(q, k, v, mask, causal)  # [B, heads, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
 
 

@@ -12,10 +12,12 @@ Conventions, per packed row of ``T`` tokens ``x_0 .. x_{T-1}`` (``f_t``: target 
             target: the target's distribution at t + 1 + s (the one that predicts x_{t+2+s})
     (t, s) counts when loss_mask[t+2+s], t + 2 + s < T and doc_ids[t+2+s] == doc_ids[t]
 
-Attention of step ``s`` (keys of steps ``0 .. s`` concatenated, ``StepKV``): query ``t`` sees the
-step-0 keys ``<= t`` of its own document (``document_attention_mask``) and, of steps ``1 .. s``,
-only its own index ``t`` -- exactly the keys the chain drafted from anchor ``t`` has at inference
-(the verified prefix, then its own earlier drafts). Token inputs past the row end are filled with
+Attention of step ``s`` (keys of steps ``0 .. s``): query ``t`` sees the step-0 keys ``<= t`` of
+its own document (``document_attention_mask``) and, of steps ``1 .. s``, only its own index ``t``
+-- exactly the keys the chain drafted from anchor ``t`` has at inference (the verified prefix,
+then its own earlier drafts). ``ttt_attention_mask`` is that rule as a dense mask over the
+concatenated keys; ``TTTKeys`` (infer/drafters/common.py) computes the same attention without
+the masked-out blocks, and is what the unroll uses. Token inputs past the row end are filled with
 id 0; they only reach queries whose (t, s) is invalid.
 
 Gradients flow through the fed-back states (as in speculators and SpecForge): step ``s``'s loss
@@ -40,7 +42,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from infer.drafters.common import StepKV
+from infer.drafters.common import TTTKeys
 from train.config import validate_section
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
@@ -166,10 +168,10 @@ class TTTObjective(Objective):
         """The TTT chain: per step ``s`` (``logits`` at the anchors ``valids[s]``, ``[N_s, V]``,
         or everywhere without ``valids``, ``[B, T, V]``; ``hidden [B, T, H]``) (module doc)."""
         ids, pos, docs = batch["input_ids"], batch["position_ids"], batch["doc_ids"]  # [B, T]
-        hidden, kv = self.features(batch), StepKV()  # [B, T, H]
+        hidden, kv = self.features(batch), TTTKeys(document_attention_mask(docs))  # [B, T, H]
         for s in range(self.ttt_steps):
             logits, hidden = self.drafter.forward_train(
-                shift_left(ids, 1 + s), hidden, pos + s, ttt_attention_mask(docs, s), kv,
+                shift_left(ids, 1 + s), hidden, pos + s, None, kv,
                 select=None if valids is None else valids[s])
             yield logits, hidden  # the next step feeds the head's own state back
 

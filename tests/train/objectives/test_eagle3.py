@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from infer.drafters.common import StepKV, TTTKeys
 from infer.drafters.eagle3 import Eagle3Drafter
 from infer.engine import LLM
 from infer.kv_cache import KVCache
@@ -339,6 +340,27 @@ def test_loss_at_trained_positions_equals_the_loss_over_whole_rows(env, train_da
     assert torch.allclose(out.loss, want, rtol=1e-5)
     for g, w in zip(got, torch.autograd.grad(want, params)):
         assert torch.allclose(g, w, rtol=1e-4, atol=1e-7)
+
+
+def test_unroll_attends_as_the_dense_ttt_mask(env, train_data, monkeypatch):
+    """The unroll's chunked TTT attention (``TTTKeys``, chunks of 5 queries over rows that pack
+    several documents) gives the logits and the loss gradients of the same unroll over
+    concatenated keys with the dense ``ttt_attention_mask``."""
+    monkeypatch.setattr(TTTKeys, "chunk", 5)
+    obj = build("eagle3", env, train_data, seed=3).eval()
+    batch = env[2][1]
+    ids, pos, docs = batch["input_ids"], batch["position_ids"], batch["doc_ids"]  # [B, T]
+    assert ids.shape[1] > 2 * TTTKeys.chunk and docs.max() > 0
+    params = [p for p in obj.drafter.parameters() if p.requires_grad]
+    got, want = 0.0, 0.0
+    hidden, kv = obj.features(batch), StepKV()  # [B, T, H]
+    for s, (logits, _) in enumerate(obj.unroll(batch)):  # [B, T, Vd] each
+        ref, hidden = obj.drafter.forward_train(shift_left(ids, 1 + s), hidden, pos + s,
+                                                ttt_attention_mask(docs, s), kv)
+        assert torch.allclose(logits, ref, atol=1e-5, rtol=1e-5)
+        got, want = got + logits.logsumexp(-1).mean(), want + ref.logsumexp(-1).mean()
+    for g, w in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
 def test_accuracy_is_against_the_full_vocabulary_argmax(env, train_data):
