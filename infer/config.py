@@ -84,8 +84,8 @@ class EvalConfig:
     """train.py: prompts of that periodic measurement (the first of the evaluation prompts)."""
     methods: List[Any] = field(default_factory=_default_methods)
     """speculative_config mappings without num_speculative_tokens; an optional "name" labels one
-    in reports, an optional "ks" list replaces eval.ks for it. train.py runs them beside the
-    trained drafter."""
+    in reports, optional "ks" / "temperatures" / "batch_sizes" lists replace eval's for it.
+    train.py runs them beside the trained drafter."""
     ks: List[int] = field(default_factory=lambda: [1, 3, 5])
     """num_speculative_tokens values to measure."""
     temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -259,9 +259,10 @@ def _check_methods(key: str, methods: Any, where: str) -> None:
         if "num_speculative_tokens" in m:
             raise config_error(f"{key}[{i}].num_speculative_tokens", m["num_speculative_tokens"],
                                "no value: k comes from eval.ks", where)
-        if "ks" in m:
-            check_list(f"{key}[{i}].ks", m["ks"], where, item=partial(check_int, minimum=1))
-        spec = {k: v for k, v in m.items() if k not in ("name", "ks")}
+        for own in _METHOD_LISTS:  # a method's own ks / temperatures / batch_sizes
+            if own in m:
+                _EVAL_RULES[own](f"{key}[{i}].{own}", m[own], where)
+        spec = {k: v for k, v in m.items() if k not in ("name", *_METHOD_LISTS)}
         if spec.get("method") == "draft_model" and not spec.get("model"):
             continue
         try:
@@ -288,6 +289,7 @@ def _check_section(key: str, value: Any, where: str) -> None:
 
 
 _opt_str = partial(check_str, optional=True)
+_METHOD_LISTS = ("ks", "temperatures", "batch_sizes")  # eval lists a method may replace
 _EVAL_RULES = {
     "enabled": check_bool, "every_steps": partial(check_int, minimum=0),
     "every_num_prompts": partial(check_int, minimum=1), "methods": _check_methods,

@@ -56,6 +56,8 @@ from infer.validation import check_float, check_int, check_list, config_error
 log = logging.getLogger(__name__)
 _WHERE = "harness"
 _K = partial(check_int, minimum=1)  # a num_speculative_tokens value
+#: a method's own lists in place of the matrix's, and how their items are checked
+_OWN_LISTS = {"ks": _K, "temperatures": partial(check_float, low=0.0), "batch_sizes": _K}
 
 
 # ---- the matrix -----------------------------------------------------------------------------
@@ -98,8 +100,9 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
                   temperatures: Sequence[float] = (0.0,),
                   batch_sizes: Sequence[int] = (1,)) -> list[HarnessConfig]:
     """methods x ks x temperatures x batch sizes. A method is a speculative_config mapping with
-    an optional ``name`` (its label; default the method, which must then be unique) and an
-    optional ``ks`` of its own in place of ``ks`` (a baseline row that needs one k only)."""
+    an optional ``name`` (its label; default the method, which must then be unique) and optional
+    ``ks`` / ``temperatures`` / ``batch_sizes`` of its own in place of the matrix's (a baseline
+    row that needs one k only; a draft tree, which applies to greedy batch-1 steps only)."""
     if not methods or not ks or not temperatures or not batch_sizes:
         raise config_error("methods/ks/temperatures/batch_sizes",
                            [list(methods), list(ks), list(temperatures), list(batch_sizes)],
@@ -113,18 +116,21 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
             raise config_error(f"methods[{i}].num_speculative_tokens", m["num_speculative_tokens"],
                                "no value: k comes from the 'ks' list", _WHERE)
         name = m.pop("name", None) or m.get("method")
-        own_ks = m.pop("ks", None)
-        check_list(f"methods[{i}].ks", own_ks, _WHERE, item=_K, optional=True)
+        own = [m.pop(key, None) for key in _OWN_LISTS]  # ks, temperatures, batch_sizes
+        for key, values in zip(_OWN_LISTS, own):
+            check_list(f"methods[{i}].{key}", values, _WHERE, item=_OWN_LISTS[key],
+                       optional=True)
         if not name:  # method inferred from the draft (validates the mapping early, too)
             name = SpeculativeConfig.parse({**m, "num_speculative_tokens": 1}).method
-        labelled.append((str(name), m, own_ks or ks))
-    names = [n for n, _, _ in labelled]
+        lists = [mine or given for mine, given in zip(own, (ks, temperatures, batch_sizes))]
+        labelled.append((str(name), m, *lists))
+    names = [n for n, *_ in labelled]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise config_error("methods", names, f"unique labels; give each of {dupes} a 'name'",
                            _WHERE)
     return [HarnessConfig(m, int(k), float(t), int(b), name)
-            for name, m, m_ks in labelled for k in m_ks for t in temperatures for b in batch_sizes]
+            for name, m, m_ks, m_ts, m_bs in labelled for k in m_ks for t in m_ts for b in m_bs]
 
 
 

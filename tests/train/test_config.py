@@ -121,6 +121,8 @@ def composed(overrides) -> TrainConfig:
     ("eval.methods=[{method: nope}]", "eval.methods[0]: speculative_config: invalid value for "
                                       "'method': 'nope'"),
     ("eval.methods=[{method: ngram, ks: [3, 0]}]", "'eval.methods[0].ks[1]': 0; expected"),
+    ("eval.methods=[{method: ngram, batch_sizes: [0]}]",
+     "'eval.methods[0].batch_sizes[0]': 0; expected"),
 ])
 def test_bad_values_are_refused_naming_key_value_and_allowed(override, message):
     from infer.errors import ConfigError

@@ -260,6 +260,20 @@ def test_expand_matrix_takes_a_method_s_own_ks():
             expand_matrix([{"method": "ngram"}, {"method": "suffix", "ks": bad}], ks=[1])
 
 
+def test_expand_matrix_takes_a_method_s_own_temperatures_and_batch_sizes():
+    """A tree row measured where trees apply (greedy, batch 1) beside the whole matrix."""
+    cfgs = expand_matrix([{"method": "ngram"}, {"method": "suffix", "name": "s1",
+                                                "temperatures": [0], "batch_sizes": [1]}],
+                         ks=[3], temperatures=[0.0, 1.0], batch_sizes=[1, 8])
+    assert [(c.method, c.temperature, c.batch_size) for c in cfgs] == [
+        ("ngram", 0.0, 1), ("ngram", 0.0, 8), ("ngram", 1.0, 1), ("ngram", 1.0, 8),
+        ("s1", 0.0, 1)]
+    assert all(not {"temperatures", "batch_sizes"} & c.speculative_config.keys() for c in cfgs)
+    for key, bad in (("temperatures", [-1.0]), ("temperatures", []), ("batch_sizes", [0])):
+        with pytest.raises(ValueError, match=rf"methods\[0\]\.{key}"):
+            expand_matrix([{"method": "ngram", key: bad}], ks=[1])
+
+
 # ---- prompt sets ----------------------------------------------------------------------------
 
 class ChatTokenizer:
