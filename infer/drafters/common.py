@@ -123,16 +123,19 @@ class TTTKeys(StepKV):
     At step ``s`` query ``t`` sees the step-0 keys ``<= t`` of its document (``base``) and, of
     steps ``1 .. s``, only index ``t`` (train/objectives/ttt.py). The dense form spends a ``T x
     T`` block per extra step on one useful diagonal, and its causal block is half masked. Here the
-    queries go in chunks of :attr:`chunk`: chunk ``[a, b)`` attends the step-0 keys ``[0, b)``
-    and the later steps' keys ``[a, b)`` only. At ``T = 512`` and three steps that is 2.3x fewer
-    scores than the dense mask (and the gap grows with ``T`` and the step count); attention was
-    ~45 % of a CPU EAGLE-3 training step (docs/benchmarks.md). Masked-out keys weigh exactly 0 in
-    a softmax, so the outputs equal the dense form's up to the order of float sums.
+    queries go in :attr:`chunks` chunks: chunk ``[a, b)`` attends the step-0 keys ``[0, b)`` and
+    the later steps' keys ``[a, b)`` only, ``(n + 1) / 2n + s / n`` of the dense form's ``(s + 1)``
+    blocks of scores (3.7x fewer at the third step with 8 chunks; attention was ~45 % of a CPU
+    EAGLE-3 training step, docs/benchmarks.md). Each chunk's keys are a copy kept for the
+    backward, ``(n + 1) / 2 + s`` times one step's keys in all (the dense form keeps ``s + 1``),
+    which is why the count of chunks, not their size, is fixed: at long sequences a fixed size
+    would copy the keys ``T / size`` times. Masked-out keys weigh exactly 0 in a softmax, so the
+    outputs equal the dense form's up to the order of float sums.
     """
 
-    #: queries per attention call: a smaller chunk skips more masked scores, a larger one makes
-    #: fewer calls (each copies its keys); 128 was the fastest at T = 512 on 2 CPU cores
-    chunk = 128
+    #: query chunks per attention call: more skip more masked scores but copy the keys more often
+    #: and make more calls; 8 (64 queries at T = 512) was the fastest on 2 CPU cores
+    chunks = 8
 
     def __init__(self, base: Tensor) -> None:
         """``base`` bool ``[B, T, T]``: the step-0 mask (causal within each packed document)."""
@@ -146,9 +149,10 @@ class TTTKeys(StepKV):
         keys, values = self.update(layer, k, v)  # [B, kv_heads, (s + 1) * T, hd]
         t = q.shape[2]
         steps = keys.shape[2] // t - 1  # earlier TTT steps: s
+        size = -(-t // self.chunks)  # ceil: the last chunk may be shorter
         outs = []
-        for a in range(0, t, self.chunk):
-            b = min(a + self.chunk, t)
+        for a in range(0, t, size):
+            b = min(a + size, t)
             cols = [slice(0, b)] + [slice(j * t + a, j * t + b) for j in range(1, steps + 1)]
             ks, vs = (x[:, :, :b] if not steps else torch.cat([x[:, :, c] for c in cols], dim=2)
                       for x in (keys, values))  # [B, kv_heads, b + s * (b - a), hd]

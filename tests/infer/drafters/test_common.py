@@ -9,13 +9,13 @@ from train.data import document_attention_mask
 from train.objectives.ttt import ttt_attention_mask
 
 
-@pytest.mark.parametrize("chunk", [4, 8, 64])
-def test_ttt_keys_attend_as_the_dense_mask_does(monkeypatch, chunk):
+@pytest.mark.parametrize("chunks", [1, 5, 8, 64])
+def test_ttt_keys_attend_as_the_dense_mask_does(monkeypatch, chunks):
     """Three TTT steps of grouped-query attention: outputs and the gradients of every step's
     queries, keys and values (step-0 keys are read by all three steps) equal those of one
-    attention over the concatenated keys with ``ttt_attention_mask``, whatever the chunk (a
-    chunk that splits the documents, one that does not divide T, one larger than T)."""
-    monkeypatch.setattr(TTTKeys, "chunk", chunk)
+    attention over the concatenated keys with ``ttt_attention_mask``, whatever the chunking (one
+    chunk, chunks that split the documents and do not divide T, one query per chunk)."""
+    monkeypatch.setattr(TTTKeys, "chunks", chunks)
     torch.manual_seed(0)
     b, heads, kv_heads, t, hd = 2, 4, 2, 37, 8
     docs = torch.tensor([[0] * 20 + [1] * 17, [0] * 5 + [1] * 30 + [2] * 2])  # [B, T]
