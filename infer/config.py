@@ -123,8 +123,8 @@ class EvalConfig:
     repeats: int = 1
     """Timed runs of each configuration, each right after an autoregressive run of its own
     (same batch size, temperature and prompts): the row's speedup is the median of these paired
-    ratios. A shared machine moves throughput by tens of percent between runs minutes apart,
-    which one baseline per cell passes on to every row; 3 makes a verdict there."""
+    ratios (the first against the cell's autoregressive runs before and after it, interpolated).
+    One run's ratio moves by ~15 % on a shared machine; 3 makes a verdict there."""
     engine: EvalEngine = EvalEngine.draftsmith
     """draftsmith: this engine; vllm: every configuration on vLLM (targets beyond one device,
     or the deployment engine's numbers; infer/eval/vllm_engine.py)."""

@@ -106,7 +106,7 @@ def summary(report: HarnessReport) -> str:
                      f"{r.speedup:>7.2f}x" + (" busy" if r.contended else ""))
     for b in report.baselines:
         lines.append(f"autoregressive (batch {b.batch_size}, T={b.temperature:g}): "
-                     f"{b.tok_s:.1f} tok/s")
+                     f"{b.tok_s:.1f} tok/s before the cell, {b.tok_s_after:.1f} after")
     if not report.lossless:
         lines.append("LOSSLESS CHECK FAILED: a greedy speculative output differed (results.md)")
     return "\n".join(lines)

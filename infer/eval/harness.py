@@ -25,6 +25,7 @@ results.json keys: ``infer/eval/results.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import statistics
@@ -146,6 +147,7 @@ class _Run:
     timers: EngineTimers | None  # None: vLLM (no per-step timings)
     device: str
     cpu: CpuWindow  # what else the machine did meanwhile
+    at: float = 0.0  # time.monotonic() at the middle of the timed run
 
     @property
     def tok_s(self) -> float:
@@ -186,6 +188,7 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
             warm_up(llm, prompts, params)
         with CpuMonitor() as cpu:
             outs, seconds, timers = timed_generate(llm, prompts, params)
+        at = time.monotonic() - seconds / 2
     finally:
         on_cuda = llm.device.type == "cuda"
         del llm
@@ -199,7 +202,7 @@ def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params:
         log.warning("other processes kept %.2f cores busy during this timed run: its timings "
                     "are not to be trusted", cpu.window.other_cores)
     return _Run([list(o.token_ids) for o in outs], metrics, sum(len(o.token_ids) for o in outs),
-                seconds, sum(o.error is not None for o in outs), timers, device, cpu.window)
+                seconds, sum(o.error is not None for o in outs), timers, device, cpu.window, at)
 
 
 def _measure_vllm(vllm: VllmEngine, spec: SpeculativeConfig | None, prompt_ids: list,
@@ -210,15 +213,15 @@ def _measure_vllm(vllm: VllmEngine, spec: SpeculativeConfig | None, prompt_ids: 
                    ignore_eos=params.ignore_eos, batch_size=batch_size, warmup=warmup)
     tokens = sum(len(t) for t in res.token_ids)
     return _Run(res.token_ids, res.metrics, tokens, res.seconds, 0, None, "vllm",
-                CpuWindow(res.seconds, 0.0, None))
+                CpuWindow(res.seconds, 0.0, None), time.monotonic() - res.seconds / 2)
 
 
 # ---- the harness ----------------------------------------------------------------------------
 
 @dataclass
 class _Matrix:
-    """Runs configurations on one loaded engine; each autoregressive baseline runs once per
-    (batch size, temperature) and serves every configuration with those settings."""
+    """Runs configurations on one loaded engine, a (batch size, temperature) cell at a time:
+    the cell's configurations back to back, between two autoregressive runs (:meth:`cell`)."""
 
     engine: LLM
     prompts: list
@@ -229,7 +232,7 @@ class _Matrix:
     num_prompts: int = 0  # prompts of a batch-1 run
     requests_per_slot: int = 0  # a batch-B run takes at least this many per slot
     repeats: int = 1  # timed runs per configuration, each paired with an autoregressive one
-    baselines: dict[tuple[int, float], tuple[Baseline, _Run]] = field(default_factory=dict)
+    baselines: list[Baseline] = field(default_factory=list)  # one per cell, in run order
 
     def prompts_at(self, batch: int) -> list:
         """The first max(num_prompts, requests_per_slot x batch) prompts: each slot is refilled
@@ -247,24 +250,32 @@ class _Matrix:
         return SamplingParams(temperature=temperature, max_tokens=self.max_tokens,
                               ignore_eos=self.ignore_eos)
 
-    def baseline(self, batch: int, temp: float) -> tuple[Baseline, _Run]:
-        if (batch, temp) not in self.baselines:
-            run = self.measure(None, temp, batch)
-            steps, c_ar = ((run.timers.step.calls, run.timers.step.median) if run.timers
-                           else (0, 0.0))
-            base = Baseline(batch, temp, run.tok_s, run.tokens, run.seconds, steps, c_ar,
-                            run.cpu.other_cores, len(run.outputs))
-            log.info("autoregressive batch=%d temperature=%g: %.1f tok/s", batch, temp, base.tok_s)
-            self.baselines[(batch, temp)] = (base, run)
-        return self.baselines[(batch, temp)]
+    def cell(self, cfgs: Sequence[HarnessConfig]) -> list[ConfigResult]:
+        """The rows of one cell (every config has its batch size and temperature). A shared
+        machine's throughput drifts by tens of percent over minutes, and it moves every method
+        alike (docs/benchmarks.md): so the cell runs back to back, between an autoregressive run
+        before and one after, and each row's speedup is against the autoregressive throughput
+        interpolated to the middle of its own run."""
+        batch, temp = cfgs[0].batch_size, cfgs[0].temperature
+        before = self.measure(None, temp, batch)
+        measured = []
+        for cfg in cfgs:
+            spec = cfg.spec()
+            run = self.measure(spec, temp, batch)
+            measured.append((cfg, spec, run, self._paired_speedups(spec, cfg)))
+        after = self.measure(None, temp, batch)
+        base = _baseline(before, after, batch, temp)
+        log.info("autoregressive batch=%d temperature=%g: %.1f tok/s before the cell, %.1f after",
+                 batch, temp, base.tok_s, base.tok_s_after)
+        self.baselines.append(base)
+        return [self._row(cfg, spec, run, extra, _baseline_at(base, before, after, run.at),
+                          before) for cfg, spec, run, extra in measured]
 
-    def row(self, cfg: HarnessConfig) -> ConfigResult:
-        base, ar = self.baseline(cfg.batch_size, cfg.temperature)
-        spec = cfg.spec()
-        run = self.measure(spec, cfg.temperature, cfg.batch_size)
+    def _row(self, cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, extra: list[float],
+             base: Baseline, ar: _Run) -> ConfigResult:
         row = _result(cfg, spec, run, base, ar)
-        if self.repeats > 1:
-            row.speedup_runs = [row.speedup] + self._paired_speedups(spec, cfg)
+        if extra:  # repeats > 1
+            row.speedup_runs = [row.speedup] + extra
             row.speedup = statistics.median(row.speedup_runs)
         log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
                  row.method, row.k, row.temperature, row.batch_size, row.acceptance_length,
@@ -334,16 +345,16 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm,
                      num_prompts or len(prompts), requests_per_slot, repeats)
     _warn_short(matrix, configs)
-    results = []
-    for cfg in configs:
-        results.append(matrix.row(cfg))
-        logger.log_acceptance(f"{prefix}/{config_id(results[-1])}", asdict(results[-1]),
-                              step=step)
+    results: list[ConfigResult] = [None] * len(configs)  # type: ignore[list-item]
+    for cell in _by_cell(configs):
+        for i, row in zip(cell, matrix.cell([configs[i] for i in cell])):
+            results[i] = row
+            logger.log_acceptance(f"{prefix}/{config_id(row)}", asdict(row), step=step)
     # vLLM exposes no step costs: no cost model, no k advice for its rows
     advisor, recommended = advise(results) if vllm is None else ([], {})
     report = HarnessReport(
         target=engine_llm.target.path,
-        baselines=[b for b, _ in matrix.baselines.values()], results=results, advisor=advisor,
+        baselines=matrix.baselines, results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         settings=matrix.settings(dtype=dtype, seed=seed, engine=engine,
                                  tensor_parallel_size=tensor_parallel_size))
@@ -353,6 +364,34 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         write_report(report, output_dir)
     log_report(report, logger, step=step, prefix=prefix)
     return report
+
+
+def _baseline(before: _Run, after: _Run, batch: int, temp: float) -> Baseline:
+    """The cell's record: the run before its rows, with the throughput of the run after."""
+    steps, c_ar = ((before.timers.step.calls, before.timers.step.median) if before.timers
+                   else (0, 0.0))
+    return Baseline(batch, temp, before.tok_s, before.tokens, before.seconds, steps, c_ar,
+                    before.cpu.other_cores, len(before.outputs), tok_s_after=after.tok_s,
+                    c_ar_s_after=after.timers.step.median if after.timers else 0.0)
+
+
+def _baseline_at(base: Baseline, before: _Run, after: _Run, at: float) -> Baseline:
+    """``base`` with its throughput and step time interpolated to time ``at`` between the two
+    runs (linear; held at the ends), what a row measured at ``at`` is compared with."""
+    span = after.at - before.at
+    w = min(max((at - before.at) / span, 0.0), 1.0) if span > 0 else 0.5
+    return dataclasses.replace(
+        base, tok_s=(1 - w) * base.tok_s + w * base.tok_s_after,
+        c_ar_s=(1 - w) * base.c_ar_s + w * (base.c_ar_s_after or base.c_ar_s))
+
+
+def _by_cell(configs: Sequence[HarnessConfig]) -> list[list[int]]:
+    """Indices of ``configs`` grouped by (batch size, temperature), cells in order of first
+    appearance, each cell's configs in their order."""
+    cells: dict[tuple[int, float], list[int]] = {}
+    for i, cfg in enumerate(configs):
+        cells.setdefault((cfg.batch_size, cfg.temperature), []).append(i)
+    return list(cells.values())
 
 
 def _warn_short(matrix: _Matrix, configs: Sequence[HarnessConfig]) -> None:

@@ -130,10 +130,16 @@ def _header(report: HarnessReport) -> list[str]:
 
 
 def _baselines_table(report: HarnessReport) -> list[str]:
+    """Each cell's autoregressive run before its rows and the one after (a row's speedup is
+    against their interpolation to the middle of its run)."""
     lines = ["## Autoregressive baselines", "",
-             _row(["batch", "temperature", "tok/s", "tokens", "s/step"]), _row(["---"] * 5)]
+             "Each cell's configurations ran back to back between these two runs; a row's speedup "
+             "is against their throughput interpolated to the middle of its run.", "",
+             _row(["batch", "temperature", "tok/s before", "tok/s after", "tokens", "s/step"]),
+             _row(["---"] * 6)]
     return lines + [_row([b.batch_size, f"{b.temperature:g}", _tok_s(b.tok_s, b.other_cores),
-                          b.tokens, f"{b.c_ar_s * 1e3:.2f} ms"]) for b in report.baselines]
+                          f"{b.tok_s_after:.1f}" if b.tok_s_after else "-", b.tokens,
+                          f"{b.c_ar_s * 1e3:.2f} ms"]) for b in report.baselines]
 
 
 def _results_table(report: HarnessReport) -> list[str]:

@@ -1,6 +1,6 @@
 """What the acceptance harness produces: ``HarnessReport`` (results.json) and its rows.
 
-results.json keys (``schema_version`` 2; documented in docs/harness.md):
+results.json keys (``schema_version`` 3; documented in docs/harness.md):
 
 - top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts
   (of a batch-1 run), requests_per_slot, repeats, ignore_eos, device (resolved), dtype, seed,
@@ -9,7 +9,9 @@ results.json keys (``schema_version`` 2; documented in docs/harness.md):
   k), ``lossless`` (false iff any greedy row mismatched), ``files`` (markdown and plot file
   names).
 - ``baselines[]``: ``batch_size``, ``temperature``, ``tok_s``, ``tokens``, ``seconds``,
-  ``steps``, ``c_ar_s``, ``other_cores``, ``num_prompts`` (requests of the run).
+  ``steps``, ``c_ar_s``, ``other_cores``, ``num_prompts`` (requests of the run): the
+  autoregressive run before the cell's configurations; ``tok_s_after``, ``c_ar_s_after``: the
+  one after them (3; a row's ``ar_tok_s`` and ``c_ar_s`` are interpolated between the two).
 - ``results[]``: ``method`` (the label), ``speculative_config`` (resolved, vLLM schema), ``k``,
   ``temperature``, ``batch_size``, ``acceptance_length``, ``acceptance_rate``, ``per_position``
   (k rates), ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
@@ -34,7 +36,7 @@ from typing import Any, Mapping
 
 from infer.eval.machine import CONTENTION_CORES
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass
@@ -48,6 +50,9 @@ class Baseline:
     c_ar_s: float
     other_cores: float | None = None  # cores other processes kept busy meanwhile (machine.py)
     num_prompts: int = 0  # requests of the run (results.json before it: unknown, 0)
+    # the same run again after the cell's configurations (schema 3; 0: not measured)
+    tok_s_after: float = 0.0
+    c_ar_s_after: float = 0.0
 
 
 @dataclass

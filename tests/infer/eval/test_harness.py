@@ -415,8 +415,8 @@ def test_repeats_pair_each_run_with_its_own_baseline(tiny_target, monkeypatch):
     report = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1, 2],
                                        "batch_sizes": [1]}, PROMPTS, max_tokens=4,
                          device="cpu", warmup=False, repeats=3)
-    # the cell's baseline, then per row: its run, and two (AR, spec) pairs
-    assert order == [False] + [True, False, True, False, True] * 2
+    # the cell's baseline, then per row: its run, and two (AR, spec) pairs; the closing baseline
+    assert order == [False] + [True, False, True, False, True] * 2 + [False]
     for row in report.results:
         assert len(row.speedup_runs) == 3 and all(r > 0 for r in row.speedup_runs)
         assert row.speedup == statistics.median(row.speedup_runs)
@@ -426,6 +426,53 @@ def test_repeats_pair_each_run_with_its_own_baseline(tiny_target, monkeypatch):
                                        "batch_sizes": [1]}, PROMPTS, max_tokens=4,
                          device="cpu", warmup=False)
     assert single.results[0].speedup_runs == [] and "paired" not in render_markdown(single)
+
+
+def test_cells_run_back_to_back_between_two_baselines(tiny_target, monkeypatch):
+    """A cell's configurations run one after the other (whatever the order they were given
+    in), between an autoregressive run before and one after; each row's ar_tok_s is the two
+    runs' throughput interpolated to its own run, so it lies between them."""
+    from infer.eval import harness
+
+    order = []
+    real = harness._measure
+    monkeypatch.setattr(harness, "_measure", lambda engine, spec, prompts, params, batch, *a: (
+        order.append((batch, spec is not None)) or real(engine, spec, prompts, params, batch, *a)))
+    report = run_harness(tiny_target, {"methods": [{"method": "ngram"}, {"method": "suffix"}],
+                                       "ks": [2], "batch_sizes": [1, 2]}, PROMPTS, max_tokens=4,
+                         device="cpu", warmup=False)
+    assert order == [(1, False), (1, True), (1, True), (1, False),
+                     (2, False), (2, True), (2, True), (2, False)]
+    assert [(r.method, r.batch_size) for r in report.results] == [  # the matrix's order
+        ("ngram", 1), ("ngram", 2), ("suffix", 1), ("suffix", 2)]
+    for row in report.results:
+        base = next(b for b in report.baselines if b.batch_size == row.batch_size)
+        assert base.tok_s_after > 0
+        low, high = sorted([base.tok_s, base.tok_s_after])
+        assert low <= row.ar_tok_s <= high
+        assert row.speedup == pytest.approx(row.tok_s / row.ar_tok_s)
+
+
+def test_baseline_interpolates_to_the_middle_of_a_run():
+    """Linear in time between the run before (100 tok/s, 2 ms a step) and after (80, 2.5 ms),
+    held at the ends."""
+    from infer.eval.harness import _baseline, _baseline_at, _Run
+    from infer.eval.machine import CpuWindow
+    from infer.metrics import SpecMetrics
+
+    def run(tok_s: float, at: float) -> _Run:
+        return _Run([[1]] * 4, SpecMetrics(), int(tok_s), 1.0, 0, None, "cpu",
+                    CpuWindow(1.0, 0.0, None), at)
+
+    before, after = run(100, 10.0), run(80, 20.0)
+    base = _baseline(before, after, 1, 0.0)
+    base.c_ar_s, base.c_ar_s_after = 0.002, 0.0025
+    assert (base.tok_s, base.tok_s_after) == (100, 80)
+    mid = _baseline_at(base, before, after, 15.0)
+    assert mid.tok_s == pytest.approx(90) and mid.c_ar_s == pytest.approx(0.00225)
+    assert _baseline_at(base, before, after, 12.5).tok_s == pytest.approx(95)
+    assert _baseline_at(base, before, after, 99.0).tok_s == pytest.approx(80)  # held
+    assert base.tok_s == 100  # the cell's record is unchanged
 
 
 def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
