@@ -121,10 +121,10 @@ class EvalConfig:
     warmup: bool = True
     """Untimed warm-up before each timed run (on CUDA: the whole run, to capture graphs)."""
     repeats: int = 1
-    """Timed runs of each configuration, each right after an autoregressive run of its own
-    (same batch size, temperature and prompts): the row's speedup is the median of these paired
-    ratios (the first against the cell's autoregressive runs before and after it, interpolated).
-    One run's ratio moves by ~15 % on a shared machine; 3 makes a verdict there."""
+    """Rounds per (batch size, temperature) cell: each round runs every configuration of the
+    cell once, back to back, then autoregressive decoding (one more autoregressive run opens
+    the cell); a row's speedup is the median of its rounds, each against the autoregressive runs
+    around it. One run's ratio moves by ~15-30 % on a shared machine; 3 makes a verdict there."""
     engine: EvalEngine = EvalEngine.draftsmith
     """draftsmith: this engine; vllm: every configuration on vLLM (targets beyond one device,
     or the deployment engine's numbers; infer/eval/vllm_engine.py)."""

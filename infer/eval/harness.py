@@ -231,7 +231,7 @@ class _Matrix:
     vllm: VllmEngine | None = None  # eval.engine=vllm: every run goes there instead
     num_prompts: int = 0  # prompts of a batch-1 run
     requests_per_slot: int = 0  # a batch-B run takes at least this many per slot
-    repeats: int = 1  # timed runs per configuration, each paired with an autoregressive one
+    repeats: int = 1  # rounds per cell: timed runs of each configuration (:meth:`cell`)
     baselines: list[Baseline] = field(default_factory=list)  # one per cell, in run order
 
     def prompts_at(self, batch: int) -> list:
@@ -252,45 +252,43 @@ class _Matrix:
 
     def cell(self, cfgs: Sequence[HarnessConfig]) -> list[ConfigResult]:
         """The rows of one cell (every config has its batch size and temperature). A shared
-        machine's throughput drifts by tens of percent over minutes, and it moves every method
-        alike (docs/benchmarks.md): so the cell runs back to back, between an autoregressive run
-        before and one after, and each row's speedup is against the autoregressive throughput
-        interpolated to the middle of its own run."""
+        machine's throughput drifts by tens of percent over minutes and moves every method alike
+        (docs/benchmarks.md), so the cell runs in rounds: each round every configuration once,
+        back to back (in an order that shifts from round to round), then an autoregressive run;
+        one more autoregressive run opens the first round. A run's speedup is against the two
+        autoregressive runs around its round, interpolated to its middle; with ``repeats`` > 1
+        a row's speedup is the median over its rounds. Every configuration meets the same
+        minutes of the machine, and two rows compare runs seconds apart."""
         batch, temp = cfgs[0].batch_size, cfgs[0].temperature
-        before = self.measure(None, temp, batch)
-        measured = []
-        for cfg in cfgs:
-            spec = cfg.spec()
-            run = self.measure(spec, temp, batch)
-            measured.append((cfg, spec, run, self._paired_speedups(spec, cfg)))
-        after = self.measure(None, temp, batch)
-        base = _baseline(before, after, batch, temp)
-        log.info("autoregressive batch=%d temperature=%g: %.1f tok/s before the cell, %.1f after",
-                 batch, temp, base.tok_s, base.tok_s_after)
+        specs = [cfg.spec() for cfg in cfgs]
+        ars = [self.measure(None, temp, batch)]
+        runs: list[list[_Run]] = [[] for _ in cfgs]
+        for r in range(self.repeats):
+            shift = r * len(cfgs) // self.repeats
+            for j in range(len(cfgs)):
+                i = (shift + j) % len(cfgs)
+                runs[i].append(self.measure(specs[i], temp, batch))
+            ars.append(self.measure(None, temp, batch))
+        base = _baseline(ars[0], ars[1], batch, temp)
+        log.info("autoregressive batch=%d temperature=%g: %.1f tok/s before the cell, %.1f after "
+                 "its first round", batch, temp, base.tok_s, base.tok_s_after)
         self.baselines.append(base)
-        return [self._row(cfg, spec, run, extra, _baseline_at(base, before, after, run.at),
-                          before) for cfg, spec, run, extra in measured]
+        return [self._row(cfg, spec, rounds, ars, base)
+                for cfg, spec, rounds in zip(cfgs, specs, runs)]
 
-    def _row(self, cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, extra: list[float],
-             base: Baseline, ar: _Run) -> ConfigResult:
-        row = _result(cfg, spec, run, base, ar)
-        if extra:  # repeats > 1
-            row.speedup_runs = [row.speedup] + extra
+    def _row(self, cfg: HarnessConfig, spec: SpeculativeConfig, rounds: list[_Run],
+             ars: list[_Run], base: Baseline) -> ConfigResult:
+        """The row of one configuration from its first round (its run ``r`` lies between
+        ``ars[r]`` and ``ars[r + 1]``); the speedup over all rounds."""
+        first = _baseline_at(base, ars[0], ars[1], rounds[0].at)
+        row = _result(cfg, spec, rounds[0], first, ars[0])
+        if self.repeats > 1:
+            row.speedup_runs = [_speedup(run, ars[r], ars[r + 1]) for r, run in enumerate(rounds)]
             row.speedup = statistics.median(row.speedup_runs)
         log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
                  row.method, row.k, row.temperature, row.batch_size, row.acceptance_length,
                  row.speedup, row.predicted_speedup)
         return row
-
-    def _paired_speedups(self, spec: SpeculativeConfig, cfg: HarnessConfig) -> list[float]:
-        """``repeats - 1`` more (autoregressive, speculative) pairs, alternated: each ratio
-        compares two runs seconds apart, so a slow minute of the machine hits both."""
-        ratios = []
-        for _ in range(self.repeats - 1):
-            ar = self.measure(None, cfg.temperature, cfg.batch_size)
-            run = self.measure(spec, cfg.temperature, cfg.batch_size)
-            ratios.append(run.tok_s / ar.tok_s if ar.tok_s else 0.0)
-        return ratios
 
     @property
     def device(self) -> str:
@@ -327,8 +325,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     ``tensor_parallel_size`` for targets beyond one device); the target is then still loaded
     here once, for its tokenizer. A batch-B run takes the first max(``num_prompts`` (None: all),
     ``requests_per_slot`` x B) of ``prompts`` (EvalConfig.requests_per_slot says why).
-    ``repeats`` > 1: each row's speedup is the median over that many (autoregressive,
-    speculative) run pairs (EvalConfig.repeats). Returns the report.
+    ``repeats`` > 1: each row's speedup is the median over that many rounds of its cell
+    (EvalConfig.repeats, ``_Matrix.cell``). Returns the report.
     """
     configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
     prompts = list(prompts)
@@ -375,11 +373,23 @@ def _baseline(before: _Run, after: _Run, batch: int, temp: float) -> Baseline:
                     c_ar_s_after=after.timers.step.median if after.timers else 0.0)
 
 
-def _baseline_at(base: Baseline, before: _Run, after: _Run, at: float) -> Baseline:
-    """``base`` with its throughput and step time interpolated to time ``at`` between the two
-    runs (linear; held at the ends), what a row measured at ``at`` is compared with."""
+def _weight(before: _Run, after: _Run, at: float) -> float:
+    """Where time ``at`` lies between the two runs' middles, 0 .. 1 (held at the ends)."""
     span = after.at - before.at
-    w = min(max((at - before.at) / span, 0.0), 1.0) if span > 0 else 0.5
+    return min(max((at - before.at) / span, 0.0), 1.0) if span > 0 else 0.5
+
+
+def _speedup(run: _Run, before: _Run, after: _Run) -> float:
+    """``run``'s throughput over the autoregressive one interpolated to its middle."""
+    w = _weight(before, after, run.at)
+    ar = (1 - w) * before.tok_s + w * after.tok_s
+    return run.tok_s / ar if ar else 0.0
+
+
+def _baseline_at(base: Baseline, before: _Run, after: _Run, at: float) -> Baseline:
+    """``base`` (the record of ``before`` and ``after``) with its throughput and step time
+    interpolated to time ``at``: what a run measured at ``at`` is compared with."""
+    w = _weight(before, after, at)
     return dataclasses.replace(
         base, tok_s=(1 - w) * base.tok_s + w * base.tok_s_after,
         c_ar_s=(1 - w) * base.c_ar_s + w * (base.c_ar_s_after or base.c_ar_s))

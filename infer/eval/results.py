@@ -22,8 +22,8 @@ results.json keys (``schema_version`` 3; documented in docs/harness.md):
   ``mismatched_prompts`` (prompt indices), ``num_errors``, ``draft_sample_method`` (greedy or
   probabilistic drafts), ``other_cores`` (cores other processes kept busy during the timed run;
   null where the machine cannot tell), ``num_prompts`` (requests of the run: a batch-B run
-  serves max(num_prompts, requests_per_slot x B)), ``speedup_runs`` (repeats > 1: each paired
-  run's speedup; ``speedup`` is their median; empty otherwise).
+  serves max(num_prompts, requests_per_slot x B)), ``speedup_runs`` (repeats > 1: each round's
+  speedup; ``speedup`` is their median; empty otherwise).
 - ``advisor[]``: ``method``, ``batch_size``, ``temperature``, ``measured_ks``,
   ``recommended_k``, ``predicted_speedup``, ``candidates[]`` (``k``, ``expected_accepted``,
   ``cost_draft``, ``cost_verify``, ``predicted_speedup``).

@@ -400,9 +400,9 @@ def test_batch_runs_take_requests_per_slot(tiny_target, caplog):
     assert [r.num_prompts for r in whole.results] == [len(PROMPTS)]
 
 
-def test_repeats_pair_each_run_with_its_own_baseline(tiny_target, monkeypatch):
-    """repeats=3: two more (autoregressive, speculative) pairs per row, alternated; the row's
-    speedup is the median of the three paired ratios."""
+def test_repeats_run_the_cell_in_rounds(tiny_target, monkeypatch):
+    """repeats=3: three rounds of the cell, each every configuration once (the order shifts)
+    then an autoregressive run; the row's speedup is the median of its three rounds."""
     import statistics
 
     from infer.eval import harness
@@ -411,12 +411,13 @@ def test_repeats_pair_each_run_with_its_own_baseline(tiny_target, monkeypatch):
     order = []
     real = harness._measure
     monkeypatch.setattr(harness, "_measure", lambda engine, spec, *a: order.append(
-        spec is not None) or real(engine, spec, *a))
+        spec.num_speculative_tokens if spec else 0) or real(engine, spec, *a))
     report = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1, 2],
                                        "batch_sizes": [1]}, PROMPTS, max_tokens=4,
                          device="cpu", warmup=False, repeats=3)
-    # the cell's baseline, then per row: its run, and two (AR, spec) pairs; the closing baseline
-    assert order == [False] + [True, False, True, False, True] * 2 + [False]
+    # the opening baseline (k 0), then per round both configurations and a baseline; the third
+    # round starts at the second configuration
+    assert order == [0, 1, 2, 0, 1, 2, 0, 2, 1, 0]
     for row in report.results:
         assert len(row.speedup_runs) == 3 and all(r > 0 for r in row.speedup_runs)
         assert row.speedup == statistics.median(row.speedup_runs)
