@@ -116,8 +116,12 @@ class EvalConfig:
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Variables for the chat template, as vLLM's chat_template_kwargs (enable_thinking: false).
     train.py adds data.enable_thinking, so training and evaluation render alike."""
-    ignore_eos: bool = False
-    """Generate max_tokens per prompt even past EOS."""
+    ignore_eos: bool = True
+    """Generate max_tokens per prompt even past EOS, as vLLM's benchmarks do: every run then does
+    the same work, which sampled rows need (each run samples other sequences, and at T=1 their
+    lengths differed by up to 30 %, so tokens/s compared unequal work: an n-gram row that never
+    drafts read 1.14x over three rounds, docs/benchmarks.md). False: stop at EOS as a server
+    would."""
     warmup: bool = True
     """Untimed warm-up before each timed run (on CUDA: the whole run, to capture graphs)."""
     repeats: int = 1
