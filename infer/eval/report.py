@@ -99,8 +99,8 @@ def _prompts(report: HarnessReport) -> str:
 
 def _repeats(settings: dict) -> str:
     n = settings.get("repeats", 1)
-    return (f" Speedups are medians of {n} paired (autoregressive, speculative) runs."
-            if n > 1 else "")
+    return (f" Speedups are medians of {n} rounds (each configuration once, between two "
+            f"autoregressive runs)." if n > 1 else "")
 
 
 def _header(report: HarnessReport) -> list[str]:

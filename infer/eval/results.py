@@ -93,7 +93,7 @@ class ConfigResult:
     draft_sample_method: str = "greedy"  # how drafts were made (greedy, or sampled for p/q)
     other_cores: float | None = None  # cores other processes kept busy during the timed run
     num_prompts: int = 0  # requests of the run (results.json before it: unknown, 0)
-    speedup_runs: list[float] = field(default_factory=list)  # repeats > 1: the paired ratios
+    speedup_runs: list[float] = field(default_factory=list)  # repeats > 1: each round's ratio
 
     @property
     def contended(self) -> bool:

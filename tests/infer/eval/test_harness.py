@@ -422,11 +422,11 @@ def test_repeats_run_the_cell_in_rounds(tiny_target, monkeypatch):
         assert len(row.speedup_runs) == 3 and all(r > 0 for r in row.speedup_runs)
         assert row.speedup == statistics.median(row.speedup_runs)
     assert report.settings["repeats"] == 3
-    assert "medians of 3 paired" in render_markdown(report)
+    assert "medians of 3 rounds" in render_markdown(report)
     single = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1],
                                        "batch_sizes": [1]}, PROMPTS, max_tokens=4,
                          device="cpu", warmup=False)
-    assert single.results[0].speedup_runs == [] and "paired" not in render_markdown(single)
+    assert single.results[0].speedup_runs == [] and "rounds" not in render_markdown(single)
 
 
 def test_cells_run_back_to_back_between_two_baselines(tiny_target, monkeypatch):
