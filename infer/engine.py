@@ -8,7 +8,9 @@ function runs with zero drafts, which is plain autoregressive decoding, so "spec
 non-speculative" compares two uses of one code path.
 
 Continuous batching: requests occupy KV-cache slots; finished ones free their slot at once and
-waiting ones are prefilled into free slots before the next step.
+waiting ones take free slots at the next step. On eager steps their prompts ride in that step's
+verify forward, each as a group of its own (``Llama.forward_groups``: vLLM's flattened batch of
+prefill chunks and decodes), or, when nothing runs, go in one forward of their own, unpadded.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import torch
 from tqdm.auto import tqdm
 
 from infer.draft_tree import along_path, settle_path, tree_inputs
+from infer.engine_checks import (check_engine_args, check_loaded, check_memory_budget,
+                                  kv_cache_bytes)
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.metrics import SpecMetrics
-from infer.models.output import FeatureSpec, ModelOutput
+from infer.models.groups import ForwardGroup
+from infer.models.output import FeatureSpec, ModelOutput, pad_outputs
 from infer.proposers.base import (proposer_class, DraftBatch, Proposal, Proposer, ProposerContext,
                                   VerifiedStep)
 from infer.rejection import argmax_verify, greedy_verify, rejection_sample
@@ -34,7 +39,7 @@ from infer.spec_config import SpeculativeConfig
 from infer.target import Target
 from infer.threads import GOVERNOR
 from infer.timing import EngineTimers, Timer
-from infer.validation import check_float, check_int, config_error
+from infer.validation import check_int
 
 _WHERE = "LLM"
 
@@ -55,11 +60,11 @@ class LLM:
                  max_num_seqs: int = 8, seed: int = 0, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  tokenizer: str | None = None, num_threads: int | None = None) -> None:
-        _check_engine_args(max_model_len, max_num_seqs, seed, gpu_memory_utilization,
-                           tensor_parallel_size)
+        check_engine_args(max_model_len, max_num_seqs, seed, gpu_memory_utilization,
+                          tensor_parallel_size)
         self.spec = SpeculativeConfig.parse(speculative_config)
         if isinstance(model, Target):
-            _check_loaded(dtype, device, max_model_len, tokenizer)
+            check_loaded(dtype, device, max_model_len, tokenizer)
             self.target = model
         else:
             self.target = Target.load(model, dtype=dtype, device=device,
@@ -201,14 +206,17 @@ class LLM:
         return len(self._waiting)
 
     def step(self) -> int:
-        """One scheduling round, :meth:`admit` then :meth:`decode`; returns how many requests
-        finished."""
+        """:meth:`admit` then :meth:`decode`; returns how many requests finished."""
         return self.admit() + self.decode()
 
     def admit(self) -> int:
         """Prefill waiting requests into free slots (again while some finish at their first
         token); returns how many finished. The server hands their first tokens out before the
-        next :meth:`decode`, so time to first token is the prefill's, as in vLLM."""
+        next :meth:`decode`. While requests run and steps are eager, this leaves the waiting
+        ones to :meth:`decode`, whose forward takes their prompts beside the running rows
+        (:attr:`_grouped`), so time to first token is that step's, as in vLLM."""
+        if self._grouped and self._running:
+            return 0
         finished = 0
         while True:
             self._waiting = self._admit(self._waiting)
@@ -237,6 +245,14 @@ class LLM:
         return self.device.type == "cuda" and not self.enforce_eager
 
     @property
+    def _grouped(self) -> bool:
+        """Eager steps without draft trees prefill prompts unpadded (``Llama.forward_groups``),
+        inside the verify forward while requests run: a speculative batch's rows finish at
+        different steps, so prompts arrive one or two at a time and would cost a forward each.
+        Fixed-shape (CUDA graph) steps prefill apart, in padded groups (``prefill_groups``)."""
+        return self.static_forward is None and not (self.spec and self.spec.draft_tree_siblings)
+
+    @property
     def k(self) -> int:
         return self.spec.num_speculative_tokens if self.spec else 0
 
@@ -247,6 +263,7 @@ class LLM:
         """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
         with _measure(self.timers and self.timers.step):
             reqs = self._running
+            new = self._take(self._waiting) if self._grouped else []  # prefilled in the verify
             slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
             pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
             # host -> device copies above, before the proposer queues GPU work they would wait for
@@ -259,7 +276,7 @@ class LLM:
             num_drafted = (proposal.draft_ids >= 0).sum(dim=1)  # [B]
             inputs = torch.cat([pending[:, None], proposal.draft_ids.clamp_min(0)],
                                dim=1)  # [B, k + 1]
-            out = self._verify(inputs, reqs, slots, 1 + num_drafted)
+            out, prompts = self._verify(inputs, reqs, slots, 1 + num_drafted, new)
             tokens = self._sample(out, reqs, proposal, method, temperature, top_k, top_p,
                                   generator)
             rows, drafted = tokens.tolist(), num_drafted.tolist()  # the step's one host sync
@@ -271,6 +288,8 @@ class LLM:
             if self.proposer is not None:
                 self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted, new_tokens,
                                                    out))
+            if new:
+                self._start(new, pad_outputs(prompts))
 
     def _tree_step(self, reqs: list[Request], slots: torch.Tensor, pending: torch.Tensor,
                    proposal: Proposal) -> None:
@@ -303,16 +322,23 @@ class LLM:
                                        if method == "synthetic" else None), draw_k=self.k)
 
     def _verify(self, inputs: torch.Tensor, reqs: list[Request], slots: torch.Tensor,
-                num_tokens: torch.Tensor) -> ModelOutput:
-        """The step's one target forward over ``inputs [B, k + 1]`` (``num_tokens [B]`` real)."""
+                num_tokens: torch.Tensor, new: list[Request]
+                ) -> tuple[ModelOutput, list[ModelOutput]]:
+        """The step's one target forward over ``inputs [B, k + 1]`` (``num_tokens [B]`` real)
+        and the prompts of ``new`` requests (one output each; see :attr:`_grouped`)."""
         with _measure(self.timers and self.timers.verify, rows=inputs.shape[0]):
             if self.static_forward is not None:
                 longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
                 return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
-                                           num_tokens=num_tokens, max_len=longest)
+                                           num_tokens=num_tokens, max_len=longest), []
             rows = cache_rows([r.slot for r in reqs], slots)  # in order: views, no gather
-            return self.target.model(inputs, self.cache, rows, num_tokens=num_tokens,
-                                     aux_layer_ids=self.features.aux_layer_ids)
+            if not new:
+                return self.target.model(inputs, self.cache, rows, num_tokens=num_tokens,
+                                         aux_layer_ids=self.features.aux_layer_ids), []
+            groups = [ForwardGroup(inputs, rows, num_tokens)] + self._prompt_groups(new)
+            outs = self.target.model.forward_groups(groups, self.cache,
+                                                    aux_layer_ids=self.features.aux_layer_ids)
+            return outs[0], outs[1:]
 
     def _accept(self, req: Request, emitted: list[int], drafted: int, accepted: int) -> list[int]:
         """Append a request's emitted tokens (stop-aware) and record its metrics."""
@@ -360,50 +386,77 @@ class LLM:
 
     # ---- scheduling ------------------------------------------------------------------------------
 
+    def _take(self, waiting: list[Request]) -> list[Request]:
+        """Waiting requests moved (in place) into free slots, in arrival order."""
+        free = sorted(set(range(self.max_num_seqs)) - {r.slot for r in self._running})
+        taken = waiting[: len(free)]
+        del waiting[: len(free)]
+        for req, slot in zip(taken, free):
+            req.slot = slot
+        return taken
+
     def _admit(self, waiting: list[Request]) -> list[Request]:
         """Prefill waiting requests into free slots; returns those still waiting."""
-        free = sorted(set(range(self.max_num_seqs)) - {r.slot for r in self._running})
-        admitted, waiting = waiting[: len(free)], waiting[len(free):]
-        for req, slot in zip(admitted, free):
-            req.slot = slot
+        admitted = self._take(waiting)
+        if self._grouped and admitted:
+            self._prefill(admitted)  # one forward, unpadded
+            return waiting
         # a forward's fixed cost in padded tokens: a weight read against one token's FLOPs
         # (~300 on an H100 in bf16; ~50 on 2 CPU cores in fp32, Python included)
         call_cost = 256 if self.device.type == "cuda" else 64
         for group in prefill_groups([len(r.prompt_ids) for r in admitted], call_cost):
             self._prefill([admitted[i] for i in group])  # similar lengths: little padding
-        self._running.sort(key=lambda r: r.slot)  # rows 0 .. B-1 in order read cache views
         return waiting
 
     @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> None:
-        """Run prompts through the target (ragged batch) and sample each first token."""
+        """Run prompts through the target and start them (:meth:`_start`)."""
         with _measure(self.timers and self.timers.prefill):
-            lens = [len(r.prompt_ids) for r in reqs]
-            out = self._prefill_forward(reqs, lens)  # logits [B, 1, vocab]
-            temperature, top_k, top_p = self._sampling_tensors(reqs)
-            empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
-            first = self._sample(out, reqs, Proposal(empty), "strict", temperature, top_k, top_p,
-                                 self._generator(reqs))[:, 0].tolist()  # no drafts: p itself
-            for req, tok in zip(reqs, first):
-                req.append([tok], self.eos_ids, self.max_model_len)
-                if self.proposer is not None:
-                    self.proposer.start(req.slot, req.prompt_ids)
-                self._running.append(req)
-            if self.proposer is not None:
-                self.proposer.prefilled([r.slot for r in reqs], lens, out)
+            if self._grouped:
+                out = pad_outputs(self.target.model.forward_groups(
+                    self._prompt_groups(reqs), self.cache,
+                    aux_layer_ids=self.features.aux_layer_ids))
+            else:
+                out = self._prefill_forward(reqs)
+            self._start(reqs, out)
 
-    def _prefill_forward(self, reqs: list[Request], lens: list[int]) -> ModelOutput:
+    def _start(self, reqs: list[Request], out: ModelOutput) -> None:
+        """Prefilled requests (``out``: logits ``[B, 1, vocab]``, states right-padded) sample
+        their first tokens and join the running batch."""
+        temperature, top_k, top_p = self._sampling_tensors(reqs)
+        empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
+        first = self._sample(out, reqs, Proposal(empty), "strict", temperature, top_k, top_p,
+                             self._generator(reqs))[:, 0].tolist()  # no drafts: p itself
+        for req, tok in zip(reqs, first):
+            req.append([tok], self.eos_ids, self.max_model_len)
+            if self.proposer is not None:
+                self.proposer.start(req.slot, req.prompt_ids)
+            self._running.append(req)
+        if self.proposer is not None:
+            self.proposer.prefilled([r.slot for r in reqs], [len(r.prompt_ids) for r in reqs],
+                                    out)
+        self._running.sort(key=lambda r: r.slot)  # rows 0 .. B-1 in order read cache views
+
+    def _prompt_groups(self, reqs: list[Request]) -> list[ForwardGroup]:
+        """Each request's prompt as a group of its own (fresh cache row, the last logits)."""
+        self.cache.reset(torch.tensor([r.slot for r in reqs], device=self.device))
+        return [ForwardGroup(torch.tensor([r.prompt_ids], device=self.device),
+                             torch.tensor([r.slot], device=self.device),
+                             logits_at=torch.tensor([[len(r.prompt_ids) - 1]], device=self.device))
+                for r in reqs]
+
+    def _prefill_forward(self, reqs: list[Request]) -> ModelOutput:
         """The prompts as one right-padded ragged forward into freshly reset cache rows."""
+        lens = [len(r.prompt_ids) for r in reqs]
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         self.cache.reset(slots)
         ids = torch.zeros(len(reqs), max(lens), dtype=torch.long)
         for i, r in enumerate(reqs):
             ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
-        lens_t = torch.tensor(lens, device=self.device)
-        rows = cache_rows([r.slot for r in reqs], slots)
-        return self.target.model(ids.to(self.device), self.cache, rows, num_tokens=lens_t,
-                                 logits_at=(lens_t - 1)[:, None],
-                                 aux_layer_ids=self.features.aux_layer_ids)
+        n = torch.tensor(lens, device=self.device)
+        return self.target.model(ids.to(self.device), self.cache, cache_rows(
+            [r.slot for r in reqs], slots), num_tokens=n, logits_at=(n - 1)[:, None],
+            aux_layer_ids=self.features.aux_layer_ids)
 
     def _retire(self) -> int:
         """Free the slots of finished requests; returns how many finished."""
@@ -442,54 +495,6 @@ class LLM:
         return proposer_class(self.spec)(self.spec, ctx)
 
 
-def kv_cache_bytes(cfg, rows: int, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of a :class:`KVCache` for ``rows`` sequences of ``max_len`` tokens (keys + values,
-    the scratch column included)."""
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    return rows * (max_len + 1) * per_token
-
-
-def check_memory_budget(used: int, cache: int, total: int, utilization: float,
-                        max_num_seqs: int, max_model_len: int) -> None:
-    """vLLM's ``gpu_memory_utilization``: what is allocated (``used`` bytes: weights, caches)
-    plus the KV cache about to be (``cache``) must fit in that fraction of the device's
-    ``total``; caches are sized by max_num_seqs x max_model_len, so a clear error beats an OOM
-    later."""
-    budget = utilization * total
-    if used + cache > budget:
-        gib = 2 ** 30
-        raise config_error(
-            "gpu_memory_utilization", utilization,
-            f"room for what is allocated ({used / gib:.2f} GiB: weights, caches) and the KV "
-            f"cache ({cache / gib:.2f} GiB for max_num_seqs={max_num_seqs} x "
-            f"max_model_len={max_model_len}) within "
-            f"{budget / gib:.2f} GiB of the device's {total / gib:.2f} GiB; lower max_model_len "
-            "or max_num_seqs, or raise gpu_memory_utilization", _WHERE)
-
-
-
 def _measure(timer: Timer | None, rows: int = 0) -> ContextManager:
     """``timer.measure(rows)``, or nothing when the engine is not being timed."""
     return timer.measure(rows) if timer is not None else nullcontext()
-
-
-def _check_engine_args(max_model_len, max_num_seqs, seed, util, tp) -> None:
-    check_int("max_model_len", max_model_len, _WHERE, minimum=2, optional=True)
-    check_int("max_num_seqs", max_num_seqs, _WHERE, minimum=1)
-    check_int("seed", seed, _WHERE)
-    check_float("gpu_memory_utilization", util, _WHERE, low=0.0, high=1.0, low_open=True)
-    if tp != 1:
-        raise config_error("tensor_parallel_size", tp,
-                           "1 (draftsmith's engine runs on one device; serve with vLLM for "
-                           "tensor parallelism)", _WHERE)
-
-
-def _check_loaded(dtype, device, max_model_len, tokenizer) -> None:
-    """A loaded Target fixed these; a different value here would be silently ignored."""
-    given = {"dtype": (dtype, "auto"), "device": (device, "auto"),
-             "max_model_len": (max_model_len, None), "tokenizer": (tokenizer, None)}
-    for key, (value, default) in given.items():
-        if value != default:
-            raise config_error(key, value, f"{default!r} when a loaded Target is passed (set it "
-                               "in Target.load)", _WHERE)
-

@@ -1,6 +1,7 @@
 """Target model implementations (Llama family) and Hugging Face checkpoint loading."""
 
-from infer.models.llama import Llama, ModelConfig, packed_causal_mask, position_mask
+from infer.models.attention import packed_causal_mask, position_mask
+from infer.models.llama import Llama, ModelConfig
 from infer.models.loader import (
     SUPPORTED_ARCHITECTURES,
     config_from_hf,

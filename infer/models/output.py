@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -21,6 +22,23 @@ class ModelOutput:
     logits: Tensor  # [B, T, V], or [B, K, V] when logits_at [B, K] was given
     hidden: Tensor  # [B, T, H] last hidden state after the final norm (= HF hidden_states[-1])
     aux: tuple[Tensor, ...] = ()  # one [B, T, H] per aux_layer_ids entry, in the order asked
+
+
+def pad_outputs(outs: list[ModelOutput]) -> ModelOutput:
+    """One :class:`ModelOutput` for several of one row each (a grouped forward's prompts,
+    ``[1, T_i, .]``), right-padded to the longest: ``[n, max T_i, .]`` (logits ``[n, K, V]``,
+    equal K). What a padded prefill forward of the same rows would return, padding aside."""
+    if len(outs) == 1:
+        return outs[0]
+
+    def pad(parts: list[Tensor]) -> Tensor:
+        out = parts[0].new_zeros(len(parts), max(p.shape[1] for p in parts), parts[0].shape[-1])
+        for i, p in enumerate(parts):
+            out[i, : p.shape[1]] = p[0]
+        return out  # [n, T, H]
+
+    aux = tuple(pad([o.aux[i] for o in outs]) for i in range(len(outs[0].aux)))
+    return ModelOutput(torch.cat([o.logits for o in outs]), pad([o.hidden for o in outs]), aux)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 from infer.errors import ConfigError, FileFormatError
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
+from infer.models.groups import ForwardGroup
 from infer.models.loader import load_model
 from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext
 from infer.sampling import logits_to_probs, sample_from_probs
@@ -81,35 +82,38 @@ class DraftModelProposer(Proposer):
         rows = cache_rows(batch.slots, slots)  # None when in order: views, no gathers
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))
-        self._feed_backlogs(batch)
+        backlogs = self._backlog_groups(batch)
         feeds = [toks[self.fed[s]:] for s, toks in zip(batch.slots, batch.token_ids)]
         for s, toks in zip(batch.slots, batch.token_ids):
             self.fed[s] = len(toks)  # after this step's catch-up the cache holds all of them
         if self.mask_id is not None:
-            logits = self._parallel(feeds, rows, batch.k)  # [B, k, vocab]
+            logits = self._parallel(feeds, rows, batch.k, backlogs)  # [B, k, vocab]
             tokens, probs = self._choose(logits, batch)
         else:
-            tokens, probs = self._sequential(feeds, slots, rows, batch)
+            tokens, probs = self._sequential(feeds, slots, rows, batch, backlogs)
         return Proposal(tokens, probs if self.sample else None)
 
-    def _feed_backlogs(self, batch: DraftBatch) -> None:
+    def _backlog_groups(self, batch: DraftBatch) -> list[ForwardGroup]:
         """Rows with more unseen tokens than a verify step leaves (k + 1: a new prompt) feed all
-        but their last token first, in a forward of their own rows only: in the batch's one
-        catch-up they would pad every row to the prompt's length (the EAGLE proposers do the
-        same, infer/proposers/eagle.py)."""
-        long = [(slot, toks[self.fed[slot]:-1]) for slot, toks in zip(batch.slots, batch.token_ids)
-                if len(toks) - self.fed[slot] > self.k + 1]
-        if not long:
-            return
-        slots = [slot for slot, _ in long]
-        index = torch.tensor(slots, device=self.ctx.device)  # [L]
-        self._forward_ragged([feed for _, feed in long], cache_rows(slots, index), last=1)
-        for slot, feed in long:
+        but their last token as a group of their own, unpadded, in the catch-up's forward
+        (``Llama.forward_groups``): as rows of the catch-up they would pad every row to the
+        prompt's length (the EAGLE proposers do the same, infer/proposers/eagle.py).
+        ``self.fed`` counts them already."""
+        groups, device = [], self.ctx.device
+        for slot, toks in zip(batch.slots, batch.token_ids):
+            feed = toks[self.fed[slot]:-1]
+            if len(feed) <= self.k:
+                continue
+            groups.append(ForwardGroup(torch.tensor([feed], device=device),
+                                       torch.tensor([slot], device=device),
+                                       logits_at=torch.tensor([[len(feed) - 1]], device=device)))
             self.fed[slot] += len(feed)
+        return groups
 
     def _sequential(self, feeds: list[list[int]], slots: torch.Tensor,
-                    rows: torch.Tensor | None, batch: DraftBatch):
-        logits = self._forward_ragged(feeds, rows, last=1)  # [B, 1, vocab]
+                    rows: torch.Tensor | None, batch: DraftBatch,
+                    backlogs: list[ForwardGroup]):
+        logits = self._forward_ragged(feeds, rows, 1, backlogs)  # [B, 1, vocab]
         tokens, probs = [], []
         for step in range(batch.k):
             tok, q = self._choose(logits, batch)  # [B, 1], [B, 1, vocab]
@@ -128,21 +132,26 @@ class DraftModelProposer(Proposer):
         longest = max(len(t) for t in batch.token_ids) + step + 1  # cache rows after this step
         return self.static(tok, slots=batch.slots, index=slots, max_len=longest).logits
 
-    def _parallel(self, feeds: list[list[int]], rows: torch.Tensor | None,
-                  k: int) -> torch.Tensor:
+    def _parallel(self, feeds: list[list[int]], rows: torch.Tensor | None, k: int,
+                  backlogs: list[ForwardGroup]) -> torch.Tensor:
         masked = [f + [self.mask_id] * (k - 1) for f in feeds]
-        return self._forward_ragged(masked, rows, last=k)
+        return self._forward_ragged(masked, rows, k, backlogs)
 
-    def _forward_ragged(self, feeds: list[list[int]], rows: torch.Tensor | None,
-                        last: int) -> torch.Tensor:
-        """Append ragged token lists; logits ``[B, last, vocab]`` at each row's last positions."""
+    def _forward_ragged(self, feeds: list[list[int]], rows: torch.Tensor | None, last: int,
+                        backlogs: list[ForwardGroup]) -> torch.Tensor:
+        """Append ragged token lists (after the ``backlogs`` groups, in the same forward);
+        logits ``[B, last, vocab]`` at each row's last positions."""
         device = self.ctx.device
         lens = torch.tensor([len(f) for f in feeds], device=device)  # [B]
         ids = torch.zeros(len(feeds), max(len(f) for f in feeds), dtype=torch.long)
         for row, f in enumerate(feeds):
             ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
         at = lens[:, None] - last + torch.arange(last, device=device)  # [B, last]
-        return self.model(ids.to(device), self.cache, rows, num_tokens=lens, logits_at=at).logits
+        if not backlogs:
+            return self.model(ids.to(device), self.cache, rows, num_tokens=lens,
+                              logits_at=at).logits
+        catch_up = ForwardGroup(ids.to(device), rows, lens, at)
+        return self.model.forward_groups(backlogs + [catch_up], self.cache)[-1].logits
 
     def _choose(self, logits: torch.Tensor, batch: DraftBatch):
         """Draft tokens ``[B, n]`` and the draft distribution ``[B, n, vocab]`` they came from."""

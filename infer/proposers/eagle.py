@@ -27,6 +27,8 @@ output arrives as ``VerifiedStep.target_output``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -34,6 +36,7 @@ from infer.drafters.common import PairDrafter
 from infer.drafters.eagle import EagleDrafter
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
+from infer.models.groups import ForwardGroup
 from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
@@ -44,6 +47,18 @@ from infer.spec_config import SpeculativeConfig
 from infer.validation import config_error
 
 _WIRING = "the engine must call proposer.prefilled(...) after each prefill"
+
+
+@dataclass
+class CatchUp:
+    """What a step's catch-up forward takes (:meth:`EagleChainProposer.begin_step`)."""
+
+    slots: Tensor  # [B] the batch's draft cache rows
+    rows: Tensor | None  # cache_rows of the batch: None when in order (views, no gathers)
+    ids: Tensor  # [B, T] tokens of the pending pairs, right-padded
+    feats: Tensor  # [B, T, H] their prepared features
+    counts: list[int]  # pending pairs per row
+    backlogs: list[ForwardGroup]  # new prompts' backlogs, to run before (``apart=False``)
 
 
 class EagleChainProposer(Proposer):
@@ -109,48 +124,55 @@ class EagleChainProposer(Proposer):
 
     # ---- drafting ----------------------------------------------------------------------------
 
-    def begin_step(self, batch: DraftBatch
-                   ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, list[int]]:
-        """Roll each row's draft cache back to its verified pairs and take the pending ones:
-        ``(slots [B], cache rows or None, ids [B, T], feats [B, T, H], counts)``; ``self.fed``
-        then counts the pairs this step's catch-up writes (drafted entries are rolled back at
-        the next step)."""
+    def begin_step(self, batch: DraftBatch, *, apart: bool = True) -> CatchUp:
+        """Roll each row's draft cache back to its verified pairs and take the pending ones
+        (:class:`CatchUp`); ``self.fed`` then counts the pairs this step's catch-up writes
+        (drafted entries are rolled back at the next step). New prompts' backlogs
+        (:meth:`_backlog_groups`) are fed now, in a forward of their own (``apart``), or left in
+        ``CatchUp.backlogs`` for the caller's one grouped forward."""
         slots = torch.tensor(batch.slots, device=self.ctx.device)  # [B]
         rows = cache_rows(batch.slots, slots)  # None when in order: cache views, no gathers
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))
-        self._feed_backlogs(batch)
+        backlogs = self._backlog_groups(batch)
+        if apart and backlogs:
+            self.drafter.forward_groups(backlogs, self.cache)  # writes the cache; outputs unused
+            backlogs = []
         ids, feats, counts = self._catch_up_inputs(batch.slots, batch.token_ids)
         for slot, n in zip(batch.slots, counts):
             self.fed[slot] += n
-        return slots, rows, ids, feats, counts  # [B], ., [B, T], [B, T, H], B counts
+        return CatchUp(slots, rows, ids, feats, counts, backlogs)
 
-    def _feed_backlogs(self, batch: DraftBatch) -> None:
-        """A request's first catch-up covers its whole prompt. In the batch's one catch-up
-        forward it would pad every row to the prompt's length (measured: 7 such steps were 12 %
-        of a batch-8 run, scripts/bench_spec_step.py). So rows holding more pairs than a verify
-        step leaves (k + 1) feed all but their last pair first, in a forward of their own rows
-        only (vLLM runs its drafter over the prompt right after the target's prefill)."""
-        long = [(slot, toks[:-1]) for slot, toks in zip(batch.slots, batch.token_ids)
-                if len(toks) - 1 - self.fed[slot] > self.k + 1]
-        if not long:
-            return
-        slots = [slot for slot, _ in long]
-        ids, feats, counts = self._catch_up_inputs(slots, [toks for _, toks in long])
-        index = torch.tensor(slots, device=self.ctx.device)  # [L]
-        num = torch.tensor(counts, device=self.ctx.device)  # [L]
-        self.drafter(ids, feats, self.cache, cache_rows(slots, index), num_tokens=num,
-                     logits_at=(num - 1)[:, None])  # writes the draft cache; outputs unused
-        for slot, n in zip(slots, counts):
+    def _backlog_groups(self, batch: DraftBatch) -> list[ForwardGroup]:
+        """A request's first catch-up covers its whole prompt. In the batch's catch-up rows it
+        would pad every row to the prompt's length (measured: 7 such steps were 12 % of a batch-8
+        run, scripts/bench_spec_step.py). So rows holding more pairs than a verify step leaves
+        (k + 1) feed all but their last pair as a group of their own, unpadded, planned before
+        the catch-up (vLLM runs its drafter over the prompt right after the target's prefill).
+        ``self.fed`` counts them already."""
+        groups = []
+        for slot, toks in zip(batch.slots, batch.token_ids):
+            if len(toks) - 1 - self.fed[slot] <= self.k + 1:
+                continue
+            ids, feats, (n,) = self._catch_up_inputs([slot], [toks[:-1]])  # [1, n], [1, n, H]
+            index = torch.tensor([slot], device=self.ctx.device)
+            groups.append(ForwardGroup(ids, index, logits_at=torch.tensor([[n - 1]]).to(index),
+                                       hidden=feats))
             self.fed[slot] += n
+        return groups
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
-        slots, rows, ids, feats, counts = self.begin_step(batch)
-        counts = torch.tensor(counts, device=self.ctx.device)  # [B]
-        logits, hidden = self.drafter(ids, feats, self.cache, rows, num_tokens=counts,
-                                      logits_at=(counts - 1)[:, None])  # [B, 1, V'], [B, 1, H]
-        tokens, probs, sibs = [], [], []
+        c = self.begin_step(batch, apart=False)
+        slots, rows = c.slots, c.rows
+        counts = torch.tensor(c.counts, device=self.ctx.device)  # [B]
+        if c.backlogs:  # new prompts' pairs and the catch-up in one forward
+            catch_up = ForwardGroup(c.ids, rows, counts, (counts - 1)[:, None], c.feats)
+            logits, hidden = self.drafter.forward_groups(c.backlogs + [catch_up], self.cache)[-1]
+        else:
+            logits, hidden = self.drafter(c.ids, c.feats, self.cache, rows, num_tokens=counts,
+                                          logits_at=(counts - 1)[:, None])
+        tokens, probs, sibs = [], [], []  # from logits [B, 1, V'], hidden [B, 1, H]
         tree = (self.siblings and len(batch.slots) <= self.tree_max_batch
                 and argmax_verify(batch.temperature, self.spec.rejection_sample_method))
         for step in range(batch.k):

@@ -59,8 +59,10 @@ class PEagleProposer(Eagle3Proposer):
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
-        slots, rows, ids, feats, counts = self.begin_step(batch)  # mask rows: rolled back too
-        ids, feats, num_tokens, last = self.with_mask_rows(ids, feats, counts, batch.k)
+        step = self.begin_step(batch)  # mask rows: rolled back too
+        slots, rows = step.slots, step.rows
+        ids, feats, num_tokens, last = self.with_mask_rows(step.ids, step.feats, step.counts,
+                                                           batch.k)
         if self.static is None:
             logits, _ = self.drafter(ids, feats, self.cache, rows, num_tokens=num_tokens,
                                      logits_at=last)  # [B, K, V']

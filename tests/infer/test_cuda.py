@@ -85,7 +85,7 @@ def test_gpu_memory_utilization_bounds_the_cache(tiny_target):
 def test_masked_gqa_on_cuda_matches_cpu_with_gradients(tiny_target):
     """Masked grouped-query attention takes the grouped path on CUDA (packed training masks
     included) and agrees with the CPU path, gradients flowing."""
-    from infer.models.llama import packed_causal_mask
+    from infer.models.attention import packed_causal_mask
     from infer.models.loader import load_model
 
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -262,7 +262,7 @@ def test_bad_engine_arguments(tiny_target):
 
 
 def test_memory_budget_names_the_sizes():
-    from infer.engine import check_memory_budget, kv_cache_bytes
+    from infer.engine_checks import check_memory_budget, kv_cache_bytes
     from infer.models.llama import ModelConfig
 
     cfg = ModelConfig(vocab_size=8, hidden_size=8, num_layers=32, num_heads=32, num_kv_heads=8,

@@ -191,12 +191,15 @@ def test_continuous_batching(case, proposer):
     prompts = prompts + [prompts[0][::-1] + [3], prompts[1][:2]]
     max_tokens = [5, 12, 1, 9, 3, 7]
     llm = LLM(target, speculative_config=spec, dtype="float32", max_num_seqs=2)
-    running, step = [], llm.speculative_step
+    running, after, step = [], [], llm.speculative_step
 
     def spy():
         running.append(sorted(r.slot for r in llm._running))
+        waiting = llm.num_waiting
         assert not any(r.finished for r in llm._running), "a finished request was stepped"
         step()
+        # requests admitted inside the step (eager steps prefill them in its verify forward)
+        after.append((waiting, sorted(r.slot for r in llm._running)))
 
     llm.speculative_step = spy
     outs = llm.generate(prompts, [greedy(m) for m in max_tokens])
@@ -205,12 +208,49 @@ def test_continuous_batching(case, proposer):
     assert all(o.finish_reason == "length" for o in outs)
     assert all(set(slots) <= {0, 1} for slots in running)
     assert running[0] == [0, 1]
-    # a free slot is refilled at once while requests wait: once a step ran with one request,
-    # nothing was waiting any more
-    first_single = next(i for i, s in enumerate(running) if len(s) < 2)
-    assert all(len(s) == 1 for s in running[first_single:])
+    # a free slot is refilled at once while requests wait: no step ends with a free slot and a
+    # request still waiting from before it
+    assert all(slots == [0, 1] for waiting, slots in after if waiting)
+    assert any(len(slots) < 2 for slots in running), "no slot ever freed: the test tests nothing"
     check_engine_metrics(llm, outs, 3)
     assert llm.generate(prompts[:1], greedy(5))[0].token_ids == alone[0][:5]  # engine reusable
+
+
+class _PrefillApart(LLM):
+    """The engine with every prompt prefilled in a forward of its own, before the step."""
+
+    _grouped = property(lambda self: False)
+
+
+@pytest.mark.parametrize("proposer", [None, "twin", "pard", "suffix"])
+def test_waiting_prompts_are_prefilled_inside_the_running_batchs_verify(case, proposer):
+    """While requests run, a freed slot's next prompt goes into the step's verify forward (as a
+    group of its own: no prefill forward, no padding) and every output still equals the prompt
+    decoded alone, and what prefill forwards apart give."""
+    target, prompts, _, spec = case(proposer or "twin", 3)
+    spec = spec if proposer else None
+    prompts = prompts + [prompts[0][::-1] + [3], prompts[1][:2]]
+    params = [greedy(m) for m in [5, 12, 1, 9, 3, 7]]
+    llm = LLM(target, speculative_config=spec, dtype="float32", max_num_seqs=2)
+    inside, apart = [], []
+    verify, prefill = llm._verify, llm._prefill
+
+    def spy_verify(inputs, reqs, slots, num_tokens, new):
+        inside.extend(len(r.prompt_ids) for r in new)
+        return verify(inputs, reqs, slots, num_tokens, new)
+
+    def spy_prefill(reqs):
+        apart.append([len(r.prompt_ids) for r in reqs])
+        return prefill(reqs)
+    llm._verify, llm._prefill = spy_verify, spy_prefill
+    outs = llm.generate(prompts, params)
+    alone = [reference(target, [p], 12)[0] for p in prompts]
+    assert token_ids(outs) == [a[:p.max_tokens] for a, p in zip(alone, params)]
+    assert apart[0] == [len(p) for p in prompts[:2]]  # nothing ran yet: one forward for both
+    assert inside, "no prompt joined a running batch's verify forward"
+    assert sorted(inside + sum(apart[1:], [])) == sorted(len(p) for p in prompts[2:])
+    base = _PrefillApart(target, speculative_config=spec, dtype="float32", max_num_seqs=2)
+    assert token_ids(base.generate(prompts, params)) == token_ids(outs)
 
 
 # ---- transformers ------------------------------------------------------------------------------

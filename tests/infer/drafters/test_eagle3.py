@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from infer.drafters.common import StepKV
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.kv_cache import KVCache
-from infer.models.llama import Llama, ModelConfig, inference_layout, packed_causal_mask
+from infer.models.attention import packed_causal_mask
+from infer.models.llama import Llama, ModelConfig, inference_layout
 
 TARGET = ModelConfig(vocab_size=64, hidden_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
                      head_dim=8, intermediate_size=64)

@@ -14,6 +14,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, Mistral
 from infer.kv_cache import KVCache
 from infer.models import (SUPPORTED_ARCHITECTURES, config_from_hf, load_model,
                           packed_causal_mask)
+from infer.models.groups import ForwardGroup
 from infer.models.loader import resolve_dtype
 
 ATOL = 1e-4
@@ -142,6 +143,45 @@ def test_ragged_batch_equals_rows_alone(pair):
             torch.testing.assert_close(out[r, :c], want, atol=ATOL, rtol=0)
             done[r] += c
     assert cache.lens[slots].tolist() == [9, 13, 11] and cache.lens[1].item() == 0
+
+
+@torch.no_grad()
+def test_grouped_forward_equals_its_groups_run_one_after_another(pair):
+    """``forward_groups``: a ragged decode group in rows out of order, two unpadded prompts and
+    a second group of one of the decode rows (planned after the first: it sees those keys) give
+    each group what its own forward gives, and leave the same cache."""
+    _, model = pair
+    hist = token_ids(3, 10, seed=20)
+    groups = [ForwardGroup(token_ids(3, 4, seed=21), torch.tensor([2, 0, 3]),
+                           torch.tensor([4, 2, 3])),
+              ForwardGroup(token_ids(1, 9, seed=22), torch.tensor([1]),
+                           logits_at=torch.tensor([[8]])),
+              ForwardGroup(token_ids(1, 5, seed=23), torch.tensor([4])),
+              ForwardGroup(token_ids(1, 3, seed=24), torch.tensor([0]),
+                           logits_at=torch.tensor([[0, 2]]))]
+    caches = []
+    for _ in range(2):
+        cache = KVCache.for_model(model.config, max_batch=5, max_len=24)
+        model(hist, cache, torch.tensor([2, 0, 3]), aux_layer_ids=[1])
+        caches.append(cache)
+    got = model.forward_groups(groups, caches[0], aux_layer_ids=[0, 2])
+    for g, out in zip(groups, got):
+        want = model(g.input_ids, caches[1], g.slots, num_tokens=g.num_tokens,
+                     logits_at=g.logits_at, aux_layer_ids=[0, 2])
+        real = (g.num_tokens if g.num_tokens is not None
+                else torch.full((g.input_ids.shape[0],), g.input_ids.shape[1]))
+        for row, n in enumerate(real.tolist()):  # padding's outputs are garbage
+            pairs = [(out.hidden, want.hidden), *zip(out.aux, want.aux, strict=True)]
+            if g.logits_at is None:
+                pairs.append((out.logits, want.logits))
+            for a, b in pairs:
+                torch.testing.assert_close(a[row, :n], b[row, :n], atol=ATOL, rtol=0)
+        if g.logits_at is not None:
+            torch.testing.assert_close(out.logits, want.logits, atol=ATOL, rtol=0)
+    assert caches[0].lens.tolist() == caches[1].lens.tolist() == [15, 9, 14, 13, 5]
+    for row, n in enumerate(caches[0].lens.tolist()):
+        torch.testing.assert_close(caches[0].k[:, row, :, :n], caches[1].k[:, row, :, :n],
+                                   atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
@@ -275,7 +315,7 @@ def test_grouped_attention_equals_repeated_keys():
     as repeating every kv head for its query heads."""
     import torch.nn.functional as F
 
-    from infer.models.llama import group_mask, grouped_attention, position_mask
+    from infer.models.attention import group_mask, grouped_attention, position_mask
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(3, 8, 4, 16, generator=gen)  # [B, heads, T, hd]

@@ -32,7 +32,12 @@ def check_static_drafts(target: str, spec: dict, prompts: list, monkeypatch,
     if synthetic:
         spec = spec | {"rejection_sample_method": "synthetic",
                        "synthetic_acceptance_rate": synthetic}
-    want, plain = drafted(LLM(target, speculative_config=spec, max_num_seqs=2), prompts, params)
+    # the plain forward admits as the static path does (prompts apart, before the step), so
+    # that the two run the same steps
+    with monkeypatch.context() as m:
+        m.setattr(LLM, "_grouped", property(lambda self: False))
+        want, plain = drafted(LLM(target, speculative_config=spec, max_num_seqs=2), prompts,
+                              params)
     monkeypatch.setattr(LLM, "_static_steps", property(lambda self: True))
     monkeypatch.setattr(infer.graphs, "MIN_KV_BUCKET", 1)  # key buckets below the cache size
     llm = LLM(target, speculative_config=spec, max_num_seqs=2)

@@ -142,26 +142,36 @@ def test_catch_up_and_rollback_equal_drafting_from_scratch(method, heads, target
 
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
-def test_a_prompt_backlog_is_fed_alone_not_padding_the_batch(method, heads, target):
-    """A new request's first catch-up covers its prompt: it goes in a forward of its own rows
-    (all but its last pair), so the batch's catch-up stays within k + 1 columns; the drafts
-    equal those of one forward over everything."""
+def test_a_prompt_backlog_is_fed_as_its_own_group_not_padding_the_batch(method, heads, target):
+    """A new request's first catch-up covers its prompt: all but its last pair go in a group of
+    their own inside the catch-up's forward (unpadded, planned first), so the batch's catch-up
+    rows stay within k + 1 columns; the drafts equal those of one padded forward over
+    everything, and of the backlog fed in a forward of its own (``apart``)."""
     proposer = make(method, heads, target)
-    shapes, forward = [], proposer.drafter.forward
+    shapes, forward, grouped = [], proposer.drafter.forward, proposer.drafter.forward_groups
 
     def record(ids, *args, **kwargs):
         shapes.append(tuple(ids.shape))
         return forward(ids, *args, **kwargs)
-    proposer.drafter.forward = record
+
+    def record_groups(groups, cache):
+        shapes.append([tuple(g.input_ids.shape) for g in groups])
+        return grouped(groups, cache)
+    proposer.drafter.forward, proposer.drafter.forward_groups = record, record_groups
     prompts, slots = [list(range(3, 23)), [5, 6, 7]], [1, 3]
     proposer.prefilled(slots, [20, 3], fake_output(2, 20, seed=5))
     tokens = [p + [first] for p, first in zip(prompts, [30, 31])]
     got = proposer.propose(DraftBatch(slots, tokens, K)).draft_ids
-    assert shapes == [(1, 19), (2, 3)] + [(2, 1)] * (K - 1)  # backlog, catch-up, chain steps
+    assert shapes == [[(1, 19), (2, 3)]] + [(2, 1)] * (K - 1)  # backlog + catch-up, chain
     plain = make(method, heads, target)
-    plain._feed_backlogs = lambda batch: None  # everything in the batch's one catch-up
+    plain._backlog_groups = lambda batch: []  # everything in the batch's one catch-up
     plain.prefilled(slots, [20, 3], fake_output(2, 20, seed=5))
     assert torch.equal(plain.propose(DraftBatch(slots, tokens, K)).draft_ids, got)
+    apart = make(method, heads, target)
+    apart.prefilled(slots, [20, 3], fake_output(2, 20, seed=5))
+    step = apart.begin_step(DraftBatch(slots, tokens, K))  # the backlog's forward ran already
+    assert step.backlogs == [] and step.counts == [1, 3] and step.ids.shape == (2, 3)
+    assert apart.fed[1] == 20 and apart.fed[3] == 3
 
 
 def test_eagle3_aux_layer_ids_and_real_target_output(heads, target):
