@@ -166,12 +166,7 @@ class EagleChainProposer(Proposer):
         c = self.begin_step(batch, apart=False)
         slots, rows = c.slots, c.rows
         counts = torch.tensor(c.counts, device=self.ctx.device)  # [B]
-        if c.backlogs:  # new prompts' pairs and the catch-up in one forward
-            catch_up = ForwardGroup(c.ids, rows, counts, (counts - 1)[:, None], c.feats)
-            logits, hidden = self.drafter.forward_groups(c.backlogs + [catch_up], self.cache)[-1]
-        else:
-            logits, hidden = self.drafter(c.ids, c.feats, self.cache, rows, num_tokens=counts,
-                                          logits_at=(counts - 1)[:, None])
+        logits, hidden = self.catch_up(c, c.ids, c.feats, counts, (counts - 1)[:, None])
         tokens, probs, sibs = [], [], []  # from logits [B, 1, V'], hidden [B, 1, H]
         tree = (self.siblings and len(batch.slots) <= self.tree_max_batch
                 and argmax_verify(batch.temperature, self.spec.rejection_sample_method))
@@ -186,6 +181,17 @@ class EagleChainProposer(Proposer):
         draft_probs = torch.cat(probs, dim=1) if self.sample else None  # [B, k, vocab]
         siblings = torch.cat(sibs, dim=1) if sibs else None  # [B, k, S]
         return Proposal(torch.cat(tokens, dim=1), draft_probs, siblings)  # [B, k]
+
+    def catch_up(self, c: CatchUp, ids: Tensor, feats: Tensor, num_tokens: Tensor,
+                 logits_at: Tensor) -> tuple[Tensor, Tensor]:
+        """The step's catch-up forward over ``ids [B, T]`` / ``feats [B, T, H]`` (``c``'s rows,
+        ``num_tokens [B]`` real), after ``c.backlogs`` in the same forward when there are any:
+        ``(logits [B, K, V'], hidden [B, K, H])`` at ``logits_at [B, K]``."""
+        if not c.backlogs:
+            return self.drafter(ids, feats, self.cache, c.rows, num_tokens=num_tokens,
+                                logits_at=logits_at)
+        group = ForwardGroup(ids, c.rows, num_tokens, logits_at, feats)
+        return self.drafter.forward_groups(c.backlogs + [group], self.cache)[-1]
 
     def _decode(self, tok: Tensor, hidden: Tensor, slots: Tensor, rows: Tensor | None,
                 batch: DraftBatch, step: int) -> tuple[Tensor, Tensor]:

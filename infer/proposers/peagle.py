@@ -59,17 +59,17 @@ class PEagleProposer(Eagle3Proposer):
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
-        step = self.begin_step(batch)  # mask rows: rolled back too
-        slots, rows = step.slots, step.rows
+        # mask rows are rolled back too; new prompts' backlogs join the eager catch-up forward
+        step = self.begin_step(batch, apart=self.static is not None)
         ids, feats, num_tokens, last = self.with_mask_rows(step.ids, step.feats, step.counts,
                                                            batch.k)
         if self.static is None:
-            logits, _ = self.drafter(ids, feats, self.cache, rows, num_tokens=num_tokens,
-                                     logits_at=last)  # [B, K, V']
+            logits, _ = self.catch_up(step, ids, feats, num_tokens, last)  # [B, K, V']
         else:  # cache rows after the step: the verified pairs plus the K - 1 mask rows
             longest = max(len(t) for t in batch.token_ids) + batch.k - 1
-            logits, _ = self.static(ids, feats, slots=batch.slots, index=slots, max_len=longest,
-                                    num_tokens=num_tokens, row_kwargs={"logits_at": last})
+            logits, _ = self.static(ids, feats, slots=batch.slots, index=step.slots,
+                                    max_len=longest, num_tokens=num_tokens,
+                                    row_kwargs={"logits_at": last})
         tokens, probs = self._choose(logits, batch)  # [B, K], [B, K, vocab] or None
         return Proposal(tokens, probs if self.sample else None)
 
