@@ -22,7 +22,7 @@ from infer.atomic import atomic_dir, remove_leftovers
 from infer.errors import FileFormatError, MissingFileError
 from infer.files import read_json, read_safetensors
 from infer.models.attention import attend, cache_mask
-from infer.models.groups import ForwardGroup, flat_logits_at, plan_groups
+from infer.models.groups import ForwardGroup, flat_logits_at, plan_groups, split_picked
 from infer.models.llama import ModelConfig
 from infer.models.loader import resolve_model_dir, weight_files
 from infer.spec_config import checkpoint_method
@@ -281,7 +281,7 @@ class PairDrafter(torch.nn.Module):
         return self._logits(h), self._feedback(h)
 
     def forward_groups(self, groups: list[ForwardGroup], cache) -> list[tuple[Tensor, Tensor]]:
-        """Several cached steps as one forward (:class:`~infer.models.llama.GroupedStep`, each
+        """Several cached steps as one forward (:class:`~infer.models.groups.GroupedStep`, each
         group's ``hidden`` its pairs' features): e.g. new prompts' backlogs and the batch's
         catch-up. Each group gets what :meth:`forward` with its arguments would return."""
         layers = self.layer_config.num_layers  # KV cache layers (the masks: no sliding windows)
@@ -291,11 +291,7 @@ class PairDrafter(torch.nn.Module):
         positions = torch.cat([s.positions.flatten() for s in step.steps])[None]  # [1, N]
         h = self._states(ids, hidden, positions, None, step)  # [1, N, H]
         h = gather_rows(h, flat_logits_at(groups))[0]  # [K_total, H]
-        shapes = [(g.input_ids.shape[0], -1) for g in groups]
-        sizes = [g.input_ids.shape[0] * (g.input_ids.shape[1] if g.logits_at is None
-                                         else g.logits_at.shape[1]) for g in groups]
-        parts = [x.unflatten(0, shape) for x, shape in zip(h.split(sizes), shapes)]  # [B, K, H]
-        return [(self._logits(x), self._feedback(x)) for x in parts]
+        return [(self._logits(x), self._feedback(x)) for x in split_picked(h, groups)]
 
     def forward_train(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
                       attention_mask: Tensor | None = None, kv: StepKV | None = None,

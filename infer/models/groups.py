@@ -90,16 +90,22 @@ def flat_logits_at(groups: list[ForwardGroup]) -> Tensor:
     return torch.cat(index)[None]
 
 
+def split_picked(x: Tensor, groups: list[ForwardGroup]) -> list[Tensor]:
+    """Rows taken at :func:`flat_logits_at` ``[K_total, ...]`` -> one ``[B, K, ...]`` per group."""
+    sizes = [g.input_ids.shape[0] * (g.input_ids.shape[1] if g.logits_at is None
+                                     else g.logits_at.shape[1]) for g in groups]
+    return [part.unflatten(0, (g.input_ids.shape[0], -1))
+            for g, part in zip(groups, x.split(sizes))]
+
+
 def split_groups(out: ModelOutput, groups: list[ForwardGroup]) -> list[ModelOutput]:
     """A grouped forward's flat output -> one :class:`ModelOutput` per group, in its shapes."""
     sizes = [g.input_ids.numel() for g in groups]
-    picked = [g.input_ids.shape[0] * (g.input_ids.shape[1] if g.logits_at is None
-                                      else g.logits_at.shape[1]) for g in groups]
-    hidden = out.hidden[0].split(sizes)  # [B * T, H] each
-    aux = [x[0].split(sizes) for x in out.aux]
-    outs = []
-    for i, (g, logits) in enumerate(zip(groups, out.logits[0].split(picked))):
-        b = g.input_ids.shape[0]
-        outs.append(ModelOutput(logits.unflatten(0, (b, -1)), hidden[i].unflatten(0, (b, -1)),
-                                tuple(a[i].unflatten(0, (b, -1)) for a in aux)))
-    return outs
+
+    def per_group(x: Tensor) -> list[Tensor]:  # [1, N, H] -> [B, T, H] each
+        return [part.unflatten(0, (g.input_ids.shape[0], -1))
+                for g, part in zip(groups, x[0].split(sizes))]
+
+    aux = list(zip(*(per_group(x) for x in out.aux))) or [()] * len(groups)
+    return [ModelOutput(logits, hidden, tuple(a)) for logits, hidden, a in
+            zip(split_picked(out.logits[0], groups), per_group(out.hidden), aux)]
