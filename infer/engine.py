@@ -211,10 +211,9 @@ class LLM:
 
     def admit(self) -> int:
         """Prefill waiting requests into free slots (again while some finish at their first
-        token); returns how many finished. The server hands their first tokens out before the
-        next :meth:`decode`. While requests run and steps are eager, this leaves the waiting
-        ones to :meth:`decode`, whose forward takes their prompts beside the running rows
-        (:attr:`_grouped`), so time to first token is that step's, as in vLLM."""
+        token); returns how many finished; the server hands their first tokens out before the
+        next :meth:`decode`. While requests run on eager steps, :meth:`decode` takes them into
+        its verify forward instead (:attr:`_grouped`): time to first token is that step's."""
         if self._grouped and self._running:
             return 0
         finished = 0
@@ -263,7 +262,8 @@ class LLM:
         """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
         with _measure(self.timers and self.timers.step):
             reqs = self._running
-            new = self._take(self._waiting) if self._grouped else []  # prefilled in the verify
+            # waiting prompts into free slots, prefilled inside this step's verify forward
+            new = self._take(self._waiting) if self._grouped and self._waiting else []
             slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
             pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
             # host -> device copies above, before the proposer queues GPU work they would wait for
