@@ -332,10 +332,8 @@ class LLM:
                 return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
                                            num_tokens=num_tokens, max_len=longest), []
             rows = cache_rows([r.slot for r in reqs], slots)  # in order: views, no gather
-            if not new:
-                return self.target.model(inputs, self.cache, rows, num_tokens=num_tokens,
-                                         aux_layer_ids=self.features.aux_layer_ids), []
-            groups = [ForwardGroup(inputs, rows, num_tokens)] + self._prompt_groups(new)
+            groups = [ForwardGroup(inputs, rows, num_tokens)]
+            groups += self._prompt_groups(new) if new else []
             outs = self.target.model.forward_groups(groups, self.cache,
                                                     aux_layer_ids=self.features.aux_layer_ids)
             return outs[0], outs[1:]

@@ -283,7 +283,12 @@ class PairDrafter(torch.nn.Module):
     def forward_groups(self, groups: list[ForwardGroup], cache) -> list[tuple[Tensor, Tensor]]:
         """Several cached steps as one forward (:class:`~infer.models.groups.GroupedStep`, each
         group's ``hidden`` its pairs' features): e.g. new prompts' backlogs and the batch's
-        catch-up. Each group gets what :meth:`forward` with its arguments would return."""
+        catch-up. Each group gets what :meth:`forward` with its arguments would return; one group
+        is that plain forward."""
+        if len(groups) == 1:
+            g = groups[0]
+            return [self(g.input_ids, g.hidden, cache, g.slots, num_tokens=g.num_tokens,
+                         logits_at=g.logits_at)]
         layers = self.layer_config.num_layers  # KV cache layers (the masks: no sliding windows)
         step = plan_groups(cache, groups, lambda make: [make(None)] * layers)
         ids = torch.cat([g.input_ids.flatten() for g in groups])[None]  # [1, N]

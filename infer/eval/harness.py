@@ -381,8 +381,7 @@ def _weight(before: _Run, after: _Run, at: float) -> float:
 
 def _speedup(run: _Run, before: _Run, after: _Run) -> float:
     """``run``'s throughput over the autoregressive one interpolated to its middle."""
-    w = _weight(before, after, run.at)
-    ar = (1 - w) * before.tok_s + w * after.tok_s
+    ar = _lerp(before.tok_s, after.tok_s, _weight(before, after, run.at))
     return run.tok_s / ar if ar else 0.0
 
 
@@ -390,9 +389,12 @@ def _baseline_at(base: Baseline, before: _Run, after: _Run, at: float) -> Baseli
     """``base`` (the record of ``before`` and ``after``) with its throughput and step time
     interpolated to time ``at``: what a run measured at ``at`` is compared with."""
     w = _weight(before, after, at)
-    return dataclasses.replace(
-        base, tok_s=(1 - w) * base.tok_s + w * base.tok_s_after,
-        c_ar_s=(1 - w) * base.c_ar_s + w * (base.c_ar_s_after or base.c_ar_s))
+    return dataclasses.replace(base, tok_s=_lerp(base.tok_s, base.tok_s_after, w),
+                               c_ar_s=_lerp(base.c_ar_s, base.c_ar_s_after or base.c_ar_s, w))
+
+
+def _lerp(a: float, b: float, w: float) -> float:
+    return (1 - w) * a + w * b
 
 
 def _by_cell(configs: Sequence[HarnessConfig]) -> list[list[int]]:

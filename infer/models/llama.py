@@ -256,7 +256,12 @@ class Llama(nn.Module):
                        aux_layer_ids=None) -> list[ModelOutput]:
         """Several cached forwards as one (:class:`GroupedStep`): e.g. a decode step's rows and
         new prompts, each prompt unpadded. Each group gets what :meth:`forward` with its
-        arguments would return (the same math; float rounding may differ with the row count)."""
+        arguments would return (the same math; float rounding may differ with the row count).
+        One group is the plain :meth:`forward` (nothing to flatten or split)."""
+        if len(groups) == 1:
+            g = groups[0]
+            return [self(g.input_ids, cache, g.slots, num_tokens=g.num_tokens,
+                         aux_layer_ids=aux_layer_ids, logits_at=g.logits_at)]
         step = plan_groups(cache, groups, self._layer_masks)
         ids = torch.cat([g.input_ids.flatten() for g in groups])[None]  # [1, N]
         positions = torch.cat([s.positions.flatten() for s in step.steps])[None]  # [1, N]

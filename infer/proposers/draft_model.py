@@ -147,9 +147,6 @@ class DraftModelProposer(Proposer):
         for row, f in enumerate(feeds):
             ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
         at = lens[:, None] - last + torch.arange(last, device=device)  # [B, last]
-        if not backlogs:
-            return self.model(ids.to(device), self.cache, rows, num_tokens=lens,
-                              logits_at=at).logits
         catch_up = ForwardGroup(ids.to(device), rows, lens, at)
         return self.model.forward_groups(backlogs + [catch_up], self.cache)[-1].logits
 

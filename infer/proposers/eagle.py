@@ -187,9 +187,6 @@ class EagleChainProposer(Proposer):
         """The step's catch-up forward over ``ids [B, T]`` / ``feats [B, T, H]`` (``c``'s rows,
         ``num_tokens [B]`` real), after ``c.backlogs`` in the same forward when there are any:
         ``(logits [B, K, V'], hidden [B, K, H])`` at ``logits_at [B, K]``."""
-        if not c.backlogs:
-            return self.drafter(ids, feats, self.cache, c.rows, num_tokens=num_tokens,
-                                logits_at=logits_at)
         group = ForwardGroup(ids, c.rows, num_tokens, logits_at, feats)
         return self.drafter.forward_groups(c.backlogs + [group], self.cache)[-1]
 
