@@ -99,8 +99,12 @@ def _prompts(report: HarnessReport) -> str:
 
 def _repeats(settings: dict) -> str:
     n = settings.get("repeats", 1)
-    return (f" Speedups are medians of {n} rounds (each configuration once, between two "
-            f"autoregressive runs)." if n > 1 else "")
+    rounds = (f" Speedups are medians of {n} rounds (each configuration once, between two "
+              f"autoregressive runs)." if n > 1 else "")
+    if settings.get("interleave"):
+        rounds += (" Batch-1 cells ran prompt by prompt, each prompt on autoregressive decoding "
+                   "and every configuration back to back.")
+    return rounds
 
 
 def _header(report: HarnessReport) -> list[str]:
