@@ -139,7 +139,8 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
 @dataclass
 class _Matrix:
     """Runs configurations on one loaded engine, a (batch size, temperature) cell at a time:
-    the cell's configurations back to back, between two autoregressive runs (:meth:`cell`)."""
+    the cell's configurations back to back between two autoregressive runs, or at batch 1 on a
+    CPU prompt by prompt beside autoregressive decoding (:meth:`cell`)."""
 
     engine: LLM
     prompts: list
