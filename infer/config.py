@@ -129,14 +129,6 @@ class EvalConfig:
     cell once, back to back, then autoregressive decoding (one more autoregressive run opens
     the cell); a row's speedup is the median of its rounds, each against the autoregressive runs
     around it. One run's ratio moves by ~15-30 % on a shared machine; 3 makes a verdict there."""
-    interleave: bool = True
-    """Batch-1 cells on a CPU run prompt by prompt: each prompt on autoregressive decoding and on
-    every configuration of the cell back to back (order rotating), each configuration's pieces
-    summed into its run. The work is a whole run's (batch 1 serves prompts one after another);
-    only its timing changes: every ratio compares runs seconds apart, so the machine's drift
-    cancels. On the shared 2-core host, three alternated evaluations of 12 batch-1 rows: a
-    row's speedup spread over 0.05 on average interleaved, 0.12 in whole runs
-    (docs/benchmarks.md). False: whole runs, as at larger batches, on GPUs and on vLLM."""
     engine: EvalEngine = EvalEngine.draftsmith
     """draftsmith: this engine; vllm: every configuration on vLLM (targets beyond one device,
     or the deployment engine's numbers; infer/eval/vllm_engine.py)."""
@@ -312,8 +304,7 @@ _EVAL_RULES = {
     "requests_per_slot": partial(check_int, minimum=0), "repeats": partial(check_int, minimum=1),
     "dataset": _opt_str, "dataset_split": check_str, "dataset_subset": _opt_str,
     "chat": partial(check_bool, optional=True), "chat_template_kwargs": _check_mapping,
-    "ignore_eos": check_bool, "warmup": check_bool, "interleave": check_bool,
-    "output_dir": _opt_str,
+    "ignore_eos": check_bool, "warmup": check_bool, "output_dir": _opt_str,
     "engine": partial(check_choice, choices=EvalEngine), "vllm_python": _opt_str,
     "tensor_parallel_size": partial(check_int, minimum=1),
     "logger": partial(check_choice, choices=LoggerKind), "wandb_project": check_str,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -49,17 +49,6 @@ class Timer:
     def median(self) -> float:
         return statistics.median(self.durations) if self.durations else 0.0
 
-    @classmethod
-    def merged(cls, parts: Sequence["Timer"]) -> "Timer":
-        """One timer holding every call of ``parts`` (a run measured in pieces)."""
-        out = cls(any(p.cuda for p in parts))
-        for p in parts:
-            out.seconds += p.seconds
-            out.calls += p.calls
-            out.rows += p.rows
-            out.durations += p.durations
-        return out
-
 
 @dataclass
 class EngineTimers:
@@ -77,8 +66,3 @@ class EngineTimers:
         """Fresh timers for an engine on ``device`` (CUDA: synchronised)."""
         cuda = torch.device(device).type == "cuda"
         return cls(Timer(cuda), Timer(cuda), Timer(cuda), Timer(cuda))
-
-    @classmethod
-    def merged(cls, parts: Sequence["EngineTimers"]) -> "EngineTimers":
-        """Every region's calls of ``parts`` together (:meth:`Timer.merged`)."""
-        return cls(*(Timer.merged([getattr(p, f.name) for p in parts]) for f in fields(cls)))

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from infer.engine import LLM
-from infer.eval.runs import timed_generate, warm_up
+from infer.eval.harness import timed_generate, warm_up
 from infer.sampling import SamplingParams
 from train.tiny.examples import heldout_prompts
 from train.tiny.corpus import default_draft_dir

@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 
 from infer.engine import LLM
-from infer.eval.runs import timed_generate, warm_up
+from infer.eval.harness import timed_generate, warm_up
 from infer.sampling import SamplingParams
 from train.tiny.build import ensure_tiny_target
 from train.tiny.examples import heldout_prompts

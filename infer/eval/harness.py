@@ -26,6 +26,7 @@ results.json keys: ``infer/eval/results.py``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import statistics
 import time
@@ -38,14 +39,14 @@ import torch
 
 from infer.engine import LLM
 from infer.eval.advisor import advise, predicted_speedup
-from infer.eval.machine import machine_settings
+from infer.eval.vllm_engine import (VllmEngine, cpu_defaults, engine_dtype, for_vllm,
+                                     vllm_has_cuda)
+from infer.eval.machine import CpuMonitor, CpuWindow, machine_settings
 from infer.eval.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
 from infer.eval.results import Baseline, ConfigResult, HarnessReport
-from infer.eval.runs import (Run, measure_run, measure_vllm, merge_runs, timed_run, warm_up,
-                             warn_if_contended)
-from infer.eval.vllm_engine import VllmEngine, cpu_defaults, engine_dtype, vllm_has_cuda
+from infer.metrics import SpecMetrics
 from infer.proposers.base import PROPOSERS, proposer_class
-from infer.request import make_requests
+from infer.request import RequestOutput, make_requests
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
 from infer.target import Target
@@ -134,13 +135,93 @@ def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
 
 
 
+# ---- one run --------------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    outputs: list[list[int]]
+    metrics: SpecMetrics
+    tokens: int
+    seconds: float
+    errors: int
+    timers: EngineTimers | None  # None: vLLM (no per-step timings)
+    device: str
+    cpu: CpuWindow  # what else the machine did meanwhile
+    at: float = 0.0  # time.monotonic() at the middle of the timed run
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def warm_up(llm: LLM, prompts: list, params: SamplingParams) -> None:
+    """Keep first-call costs out of a timed run: a 2-token request (allocations barely touch the
+    caches), or on CUDA the whole run once, so every CUDA graph it needs is captured first. The
+    warm-up's outputs are then forgotten (``Proposer.reset``), so they feed no timed draft."""
+    if llm.static_forward is not None:
+        llm.generate(prompts, params)
+    else:
+        llm.generate(prompts[:1], SamplingParams(temperature=params.temperature, max_tokens=2,
+                                                 ignore_eos=True))
+    if llm.proposer is not None:
+        llm.proposer.reset()
+
+
+def timed_generate(llm: LLM, prompts: list, params: SamplingParams
+                   ) -> tuple[list[RequestOutput], float, EngineTimers]:
+    """One ``generate`` with the engine's step timers on: (outputs, wall seconds, timers)."""
+    llm.timers = timers = EngineTimers.on(llm.device)
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        return outs, time.perf_counter() - start, timers
+    finally:
+        llm.timers = None
+
+
+def _measure(engine: LLM, spec: SpeculativeConfig | None, prompts: list, params: SamplingParams,
+             batch_size: int, warmup: bool) -> _Run:
+    llm = engine.with_config(spec, max_num_seqs=batch_size)  # the target stays loaded; same seed
+    device = str(llm.device)
+    try:
+        if warmup:
+            warm_up(llm, prompts, params)
+        with CpuMonitor() as cpu:
+            outs, seconds, timers = timed_generate(llm, prompts, params)
+        at = time.monotonic() - seconds / 2
+    finally:
+        on_cuda = llm.device.type == "cuda"
+        del llm
+        if on_cuda:  # give the next configuration the memory back (gc.collect costs ~0.2 s)
+            gc.collect()
+            torch.cuda.empty_cache()
+    metrics = SpecMetrics()
+    for o in outs:  # this call's requests only (not the warm-up)
+        metrics.merge(SpecMetrics.from_dict(o.metrics))
+    if cpu.window.contended:
+        log.warning("other processes kept %.2f cores busy during this timed run: its timings "
+                    "are not to be trusted", cpu.window.other_cores)
+    return _Run([list(o.token_ids) for o in outs], metrics, sum(len(o.token_ids) for o in outs),
+                seconds, sum(o.error is not None for o in outs), timers, device, cpu.window, at)
+
+
+def _measure_vllm(vllm: VllmEngine, spec: SpeculativeConfig | None, prompt_ids: list,
+                  params: SamplingParams, batch_size: int, warmup: bool) -> _Run:
+    """The same run on vLLM (infer/eval/vllm_engine.py): outputs, counters, wall time."""
+    res = vllm.run(for_vllm(spec) if spec else None, prompt_ids,
+                   temperature=params.temperature, max_tokens=params.max_tokens,
+                   ignore_eos=params.ignore_eos, batch_size=batch_size, warmup=warmup)
+    tokens = sum(len(t) for t in res.token_ids)
+    return _Run(res.token_ids, res.metrics, tokens, res.seconds, 0, None, "vllm",
+                CpuWindow(res.seconds, 0.0, None), time.monotonic() - res.seconds / 2)
+
+
 # ---- the harness ----------------------------------------------------------------------------
 
 @dataclass
 class _Matrix:
     """Runs configurations on one loaded engine, a (batch size, temperature) cell at a time:
-    the cell's configurations back to back between two autoregressive runs, or at batch 1 on a
-    CPU prompt by prompt beside autoregressive decoding (:meth:`cell`)."""
+    the cell's configurations back to back, between two autoregressive runs (:meth:`cell`)."""
 
     engine: LLM
     prompts: list
@@ -151,7 +232,6 @@ class _Matrix:
     num_prompts: int = 0  # prompts of a batch-1 run
     requests_per_slot: int = 0  # a batch-B run takes at least this many per slot
     repeats: int = 1  # rounds per cell: timed runs of each configuration (:meth:`cell`)
-    interleave: bool = False  # batch-1 cells on a CPU prompt by prompt (:meth:`interleaves`)
     baselines: list[Baseline] = field(default_factory=list)  # one per cell, in run order
 
     def prompts_at(self, batch: int) -> list:
@@ -159,100 +239,51 @@ class _Matrix:
         several times, so the drain at the end of a closed set of requests stays small."""
         return self.prompts[: max(self.num_prompts, self.requests_per_slot * batch)]
 
-    def measure(self, spec: SpeculativeConfig | None, temperature: float, batch: int) -> Run:
+    def measure(self, spec: SpeculativeConfig | None, temperature: float, batch: int) -> _Run:
         params, prompts = self.params(temperature), self.prompts_at(batch)
         if self.vllm is None:
-            return measure_run(self.engine, spec, prompts, params, batch, self.warmup)
+            return _measure(self.engine, spec, prompts, params, batch, self.warmup)
         ids = [r.prompt_ids for r in make_requests(prompts, params, self.engine.target)]
-        return measure_vllm(self.vllm, spec, ids, params, batch, self.warmup)
+        return _measure_vllm(self.vllm, spec, ids, params, batch, self.warmup)
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, max_tokens=self.max_tokens,
                               ignore_eos=self.ignore_eos)
 
     def cell(self, cfgs: Sequence[HarnessConfig]) -> list[ConfigResult]:
-        """The rows of one cell (every config has its batch size and temperature), measured in
-        ``repeats`` rounds (:meth:`_whole_rounds`, or at batch 1 on a CPU
-        :meth:`_interleaved_rounds`); with ``repeats`` > 1 a row's speedup is the median over
-        its rounds."""
+        """The rows of one cell (every config has its batch size and temperature). A shared
+        machine's throughput drifts by tens of percent over minutes and moves every method alike
+        (docs/benchmarks.md), so the cell runs in rounds: each round every configuration once,
+        back to back (in an order that shifts from round to round), then an autoregressive run;
+        one more autoregressive run opens the first round. A run's speedup is against the two
+        autoregressive runs around its round, interpolated to its middle; with ``repeats`` > 1
+        a row's speedup is the median over its rounds. Every configuration meets the same
+        minutes of the machine, and two rows compare runs seconds apart."""
         batch, temp = cfgs[0].batch_size, cfgs[0].temperature
         specs = [cfg.spec() for cfg in cfgs]
-        interleaved = self.interleaves(batch)
-        pairs, runs = (self._interleaved_rounds(specs, temp) if interleaved
-                       else self._whole_rounds(specs, temp, batch))
-        base = _baseline(*pairs[0], batch, temp)
-        log.info("autoregressive batch=%d temperature=%g: %.1f tok/s %s", batch, temp,
-                 base.tok_s, "(interleaved with the cell's runs)" if interleaved else
-                 f"before the cell, {base.tok_s_after:.1f} after its first round")
-        self.baselines.append(base)
-        return [self._row(cfg, spec, rounds, pairs, base)
-                for cfg, spec, rounds in zip(cfgs, specs, runs)]
-
-    def interleaves(self, batch: int) -> bool:
-        """Whether a batch-``batch`` cell runs prompt by prompt (:meth:`_interleaved_rounds`):
-        asked for, batch 1, this engine on a CPU (on a GPU each configuration's engine would
-        hold its own KV cache at once, and GPU timings do not drift like a shared CPU's)."""
-        return (self.interleave and batch == 1 and self.vllm is None
-                and self.engine.device.type == "cpu" and len(self.prompts_at(1)) > 1)
-
-    def _whole_rounds(self, specs: list[SpeculativeConfig], temp: float, batch: int
-                      ) -> tuple[list[tuple[Run, Run]], list[list[Run]]]:
-        """Each round runs every configuration once over all the cell's prompts, back to back
-        (in an order that shifts from round to round), then autoregressive decoding; one more
-        autoregressive run opens the first round. A shared machine's throughput drifts by tens
-        of percent over minutes and moves every method alike (docs/benchmarks.md), so a run is
-        compared with the two autoregressive runs around its round (interpolated to its middle):
-        every configuration meets the same minutes of the machine. Returns each round's
-        (before, after) autoregressive runs and each configuration's runs, round by round."""
         ars = [self.measure(None, temp, batch)]
-        runs: list[list[Run]] = [[] for _ in specs]
+        runs: list[list[_Run]] = [[] for _ in cfgs]
         for r in range(self.repeats):
-            shift = r * len(specs) // self.repeats
-            for j in range(len(specs)):
-                i = (shift + j) % len(specs)
+            shift = r * len(cfgs) // self.repeats
+            for j in range(len(cfgs)):
+                i = (shift + j) % len(cfgs)
                 runs[i].append(self.measure(specs[i], temp, batch))
             ars.append(self.measure(None, temp, batch))
-        return list(zip(ars, ars[1:])), runs
+        base = _baseline(ars[0], ars[1], batch, temp)
+        log.info("autoregressive batch=%d temperature=%g: %.1f tok/s before the cell, %.1f after "
+                 "its first round", batch, temp, base.tok_s, base.tok_s_after)
+        self.baselines.append(base)
+        return [self._row(cfg, spec, rounds, ars, base)
+                for cfg, spec, rounds in zip(cfgs, specs, runs)]
 
-    def _interleaved_rounds(self, specs: list[SpeculativeConfig], temp: float
-                            ) -> tuple[list[tuple[Run, Run]], list[list[Run]]]:
-        """Batch 1 serves prompts one after another, so a round can run prompt by prompt: each
-        prompt on autoregressive decoding and on every configuration, back to back (the order
-        rotating from prompt to prompt), each engine kept for the cell so cross-request state
-        (suffix decoding's global tree) grows as in a whole run. A configuration's pieces make
-        its run (``merge_runs``), and it is compared with the autoregressive pieces of the same
-        prompts, measured within seconds of its own: drift over seconds to minutes, which moved
-        a whole run's ratio by 15-30 % here, cancels (docs/benchmarks.md)."""
-        params, prompts = self.params(temp), self.prompts_at(1)
-        engines = [self.engine.with_config(spec, max_num_seqs=1) for spec in (None, *specs)]
-        pairs, runs = [], [[] for _ in specs]
-        for r in range(self.repeats):
-            for llm in engines:
-                if self.warmup:
-                    warm_up(llm, prompts, params)  # resets the proposer's state too
-                elif llm.proposer is not None:
-                    llm.proposer.reset()
-            pieces: list[list[Run]] = [[] for _ in engines]
-            for i, prompt in enumerate(prompts):
-                for j in range(len(engines)):
-                    e = (i + r + j) % len(engines)
-                    pieces[e].append(timed_run(engines[e], [prompt], params))
-            merged = [merge_runs(p) for p in pieces]
-            for run in merged:
-                warn_if_contended(run)
-            pairs.append((merged[0], merged[0]))
-            for j, run in enumerate(merged[1:]):
-                runs[j].append(run)
-        return pairs, runs
-
-    def _row(self, cfg: HarnessConfig, spec: SpeculativeConfig, rounds: list[Run],
-             pairs: list[tuple[Run, Run]], base: Baseline) -> ConfigResult:
-        """The row of one configuration from its first round (its run ``r`` lies between the
-        autoregressive runs ``pairs[r]``); the speedup over all rounds."""
-        first = _baseline_at(base, *pairs[0], rounds[0].at)
-        row = _result(cfg, spec, rounds[0], first, pairs[0][0])
+    def _row(self, cfg: HarnessConfig, spec: SpeculativeConfig, rounds: list[_Run],
+             ars: list[_Run], base: Baseline) -> ConfigResult:
+        """The row of one configuration from its first round (its run ``r`` lies between
+        ``ars[r]`` and ``ars[r + 1]``); the speedup over all rounds."""
+        first = _baseline_at(base, ars[0], ars[1], rounds[0].at)
+        row = _result(cfg, spec, rounds[0], first, ars[0])
         if self.repeats > 1:
-            row.speedup_runs = [_speedup(run, *pair) for run, pair in zip(rounds, pairs)]
+            row.speedup_runs = [_speedup(run, ars[r], ars[r + 1]) for r, run in enumerate(rounds)]
             row.speedup = statistics.median(row.speedup_runs)
         log.info("%s k=%d T=%g batch=%d: acceptance length %.2f, speedup %.2f (predicted %.2f)",
                  row.method, row.k, row.temperature, row.batch_size, row.acceptance_length,
@@ -268,7 +299,6 @@ class _Matrix:
         and the machine's."""
         return {"max_tokens": self.max_tokens, "num_prompts": self.num_prompts,
                 "requests_per_slot": self.requests_per_slot, "repeats": self.repeats,
-                "interleave": self.interleaves(1),
                 "ignore_eos": self.ignore_eos, "device": self.device, "warmup": self.warmup,
                 **run, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                 "machine": machine_settings()}
@@ -283,7 +313,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
                 num_threads: int | None = None, engine: str = "draftsmith",
                 vllm_python: str | None = None, tensor_parallel_size: int = 1,
                 num_prompts: int | None = None, requests_per_slot: int = 0,
-                repeats: int = 1, interleave: bool = True) -> HarnessReport:
+                repeats: int = 1) -> HarnessReport:
     """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
 
     ``target``: a model directory (loaded once with device / dtype / max_model_len) or a loaded
@@ -296,9 +326,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     here once, for its tokenizer. A batch-B run takes the first max(``num_prompts`` (None: all),
     ``requests_per_slot`` x B) of ``prompts`` (EvalConfig.requests_per_slot says why).
     ``repeats`` > 1: each row's speedup is the median over that many rounds of its cell
-    (EvalConfig.repeats, ``_Matrix.cell``). ``interleave``: batch-1 cells on a CPU run prompt
-    by prompt across the cell's configurations (EvalConfig.interleave,
-    ``_Matrix._interleaved_rounds``). Returns the report.
+    (EvalConfig.repeats, ``_Matrix.cell``). Returns the report.
     """
     configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
     prompts = list(prompts)
@@ -313,7 +341,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     vllm = _vllm_engine(engine, engine_llm.target.path, vllm_python, tensor_parallel_size,
                         max_model_len, dtype, seed)
     matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm,
-                     num_prompts or len(prompts), requests_per_slot, repeats, interleave)
+                     num_prompts or len(prompts), requests_per_slot, repeats)
     _warn_short(matrix, configs)
     results: list[ConfigResult] = [None] * len(configs)  # type: ignore[list-item]
     for cell in _by_cell(configs):
@@ -336,7 +364,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     return report
 
 
-def _baseline(before: Run, after: Run, batch: int, temp: float) -> Baseline:
+def _baseline(before: _Run, after: _Run, batch: int, temp: float) -> Baseline:
     """The cell's record: the run before its rows, with the throughput of the run after."""
     steps, c_ar = ((before.timers.step.calls, before.timers.step.median) if before.timers
                    else (0, 0.0))
@@ -345,19 +373,19 @@ def _baseline(before: Run, after: Run, batch: int, temp: float) -> Baseline:
                     c_ar_s_after=after.timers.step.median if after.timers else 0.0)
 
 
-def _weight(before: Run, after: Run, at: float) -> float:
+def _weight(before: _Run, after: _Run, at: float) -> float:
     """Where time ``at`` lies between the two runs' middles, 0 .. 1 (held at the ends)."""
     span = after.at - before.at
     return min(max((at - before.at) / span, 0.0), 1.0) if span > 0 else 0.5
 
 
-def _speedup(run: Run, before: Run, after: Run) -> float:
+def _speedup(run: _Run, before: _Run, after: _Run) -> float:
     """``run``'s throughput over the autoregressive one interpolated to its middle."""
     ar = _lerp(before.tok_s, after.tok_s, _weight(before, after, run.at))
     return run.tok_s / ar if ar else 0.0
 
 
-def _baseline_at(base: Baseline, before: Run, after: Run, at: float) -> Baseline:
+def _baseline_at(base: Baseline, before: _Run, after: _Run, at: float) -> Baseline:
     """``base`` (the record of ``before`` and ``after``) with its throughput and step time
     interpolated to time ``at``: what a run measured at ``at`` is compared with."""
     w = _weight(before, after, at)
@@ -423,8 +451,8 @@ def _step_costs(t: EngineTimers | None) -> tuple[float, float]:
     return statistics.median(drafts), statistics.median(s - d for s, d in zip(steps, drafts))
 
 
-def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: Run, base: Baseline,
-            ar: Run) -> ConfigResult:
+def _result(cfg: HarnessConfig, spec: SpeculativeConfig, run: _Run, base: Baseline,
+            ar: _Run) -> ConfigResult:
     m, t = run.metrics, run.timers
     per_position = (m.per_position_rates + [0.0] * cfg.k)[: cfg.k]
     per_pos_counts = (m.num_accepted_tokens_per_pos + [0] * cfg.k)[: cfg.k]

@@ -34,16 +34,6 @@ class CpuWindow:
     def contended(self) -> bool:
         return self.other_cores is not None and self.other_cores > CONTENTION_CORES
 
-    @classmethod
-    def merged(cls, parts: "list[CpuWindow]") -> "CpuWindow":
-        """The windows of a run timed in pieces as one: other processes' cores averaged over
-        the pieces' wall time (None if any piece could not tell)."""
-        wall = sum(p.wall_s for p in parts)
-        others = [p.other_cores for p in parts]
-        other = (None if None in others or wall <= 0
-                 else sum(o * p.wall_s for o, p in zip(others, parts)) / wall)
-        return cls(wall, sum(p.own_cpu_s for p in parts), other)
-
 
 class CpuMonitor:
     """``with CpuMonitor() as m: ...`` then ``m.window``: the CPU use of the block."""

@@ -99,12 +99,8 @@ def _prompts(report: HarnessReport) -> str:
 
 def _repeats(settings: dict) -> str:
     n = settings.get("repeats", 1)
-    rounds = (f" Speedups are medians of {n} rounds (each configuration once, between two "
-              f"autoregressive runs)." if n > 1 else "")
-    if settings.get("interleave"):
-        rounds += (" Batch-1 cells ran prompt by prompt, each prompt on autoregressive decoding "
-                   "and every configuration back to back.")
-    return rounds
+    return (f" Speedups are medians of {n} rounds (each configuration once, between two "
+            f"autoregressive runs)." if n > 1 else "")
 
 
 def _header(report: HarnessReport) -> list[str]:

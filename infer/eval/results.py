@@ -3,8 +3,7 @@
 results.json keys (``schema_version`` 3; documented in docs/harness.md):
 
 - top level: ``schema_version``, ``created``, ``target``, ``settings`` (max_tokens, num_prompts
-  (of a batch-1 run), requests_per_slot, repeats, interleave (whether batch-1 cells ran
-  prompt by prompt), ignore_eos, device (resolved), dtype, seed,
+  (of a batch-1 run), requests_per_slot, repeats, ignore_eos, device (resolved), dtype, seed,
   warmup, torch, torch_threads, machine: cpu_count, usable_cores, load_average, torch_threads,
   torch_interop_threads), ``baselines``, ``results``, ``advisor``, ``recommended_k`` (method ->
   k), ``lossless`` (false iff any greedy row mismatched), ``files`` (markdown and plot file
@@ -12,9 +11,7 @@ results.json keys (``schema_version`` 3; documented in docs/harness.md):
 - ``baselines[]``: ``batch_size``, ``temperature``, ``tok_s``, ``tokens``, ``seconds``,
   ``steps``, ``c_ar_s``, ``other_cores``, ``num_prompts`` (requests of the run): the
   autoregressive run before the cell's configurations; ``tok_s_after``, ``c_ar_s_after``: the
-  one after them (3; a row's ``ar_tok_s`` and ``c_ar_s`` are interpolated between the two). An
-  interleaved batch-1 cell has one autoregressive run made of pieces beside its rows': both
-  fields hold it.
+  one after them (3; a row's ``ar_tok_s`` and ``c_ar_s`` are interpolated between the two).
 - ``results[]``: ``method`` (the label), ``speculative_config`` (resolved, vLLM schema), ``k``,
   ``temperature``, ``batch_size``, ``acceptance_length``, ``acceptance_rate``, ``per_position``
   (k rates), ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,

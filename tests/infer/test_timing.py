@@ -1,7 +1,7 @@
 """The engine times its own steps when given timers (what the harness and benchmarks read)."""
 
 from infer.engine import LLM
-from infer.eval.runs import timed_generate
+from infer.eval.harness import timed_generate
 from infer.sampling import SamplingParams
 from infer.timing import EngineTimers
 

@@ -409,12 +409,12 @@ def test_repeats_run_the_cell_in_rounds(tiny_target, monkeypatch):
     from infer.eval.report import render_markdown
 
     order = []
-    real = harness.measure_run
-    monkeypatch.setattr(harness, "measure_run", lambda engine, spec, *a: order.append(
+    real = harness._measure
+    monkeypatch.setattr(harness, "_measure", lambda engine, spec, *a: order.append(
         spec.num_speculative_tokens if spec else 0) or real(engine, spec, *a))
     report = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1, 2],
                                        "batch_sizes": [1]}, PROMPTS, max_tokens=4,
-                         device="cpu", warmup=False, repeats=3, interleave=False)
+                         device="cpu", warmup=False, repeats=3)
     # the opening baseline (k 0), then per round both configurations and a baseline; the third
     # round starts at the second configuration
     assert order == [0, 1, 2, 0, 1, 2, 0, 2, 1, 0]
@@ -425,7 +425,7 @@ def test_repeats_run_the_cell_in_rounds(tiny_target, monkeypatch):
     assert "medians of 3 rounds" in render_markdown(report)
     single = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1],
                                        "batch_sizes": [1]}, PROMPTS, max_tokens=4,
-                         device="cpu", warmup=False, interleave=False)
+                         device="cpu", warmup=False)
     assert single.results[0].speedup_runs == [] and "rounds" not in render_markdown(single)
 
 
@@ -436,12 +436,12 @@ def test_cells_run_back_to_back_between_two_baselines(tiny_target, monkeypatch):
     from infer.eval import harness
 
     order = []
-    real = harness.measure_run
-    monkeypatch.setattr(harness, "measure_run", lambda engine, spec, prompts, params, batch, *a: (
+    real = harness._measure
+    monkeypatch.setattr(harness, "_measure", lambda engine, spec, prompts, params, batch, *a: (
         order.append((batch, spec is not None)) or real(engine, spec, prompts, params, batch, *a)))
     report = run_harness(tiny_target, {"methods": [{"method": "ngram"}, {"method": "suffix"}],
                                        "ks": [2], "batch_sizes": [1, 2]}, PROMPTS, max_tokens=4,
-                         device="cpu", warmup=False, interleave=False)
+                         device="cpu", warmup=False)
     assert order == [(1, False), (1, True), (1, True), (1, False),
                      (2, False), (2, True), (2, True), (2, False)]
     assert [(r.method, r.batch_size) for r in report.results] == [  # the matrix's order
@@ -454,54 +454,15 @@ def test_cells_run_back_to_back_between_two_baselines(tiny_target, monkeypatch):
         assert row.speedup == pytest.approx(row.tok_s / row.ar_tok_s)
 
 
-def test_batch1_cells_interleave_prompt_by_prompt(tiny_target, monkeypatch):
-    """By default a batch-1 cell runs each prompt on autoregressive decoding and on every
-    configuration back to back, the order rotating by one per prompt and per round; the rows
-    measure the same work as whole runs (same drafts, same acceptance, same outputs), the
-    baseline is the autoregressive pieces of the same round (no before / after), and batch 2
-    runs whole."""
-    from infer.eval import harness
-
-    calls = []
-    real = harness.timed_run
-    monkeypatch.setattr(harness, "timed_run", lambda llm, prompts, params: calls.append(
-        (llm.spec.method if llm.spec else "ar", tuple(prompts[0]))) or real(llm, prompts, params))
-    matrix = {"methods": [{"method": "ngram", "prompt_lookup_min": 1}, {"method": "suffix"}],
-              "ks": [2], "batch_sizes": [1, 2]}
-    inter = run_harness(tiny_target, matrix, PROMPTS, max_tokens=6, device="cpu", warmup=False,
-                        repeats=2)
-    engines = ["ar", "ngram", "suffix"]
-    assert len(calls) == 2 * len(PROMPTS) * len(engines)  # batch 2: whole runs, not pieces
-    for r in range(2):
-        for i, prompt in enumerate(PROMPTS):
-            at = (r * len(PROMPTS) + i) * len(engines)
-            group = calls[at:at + len(engines)]
-            assert [c[1] for c in group] == [tuple(prompt)] * len(engines)
-            assert [c[0] for c in group] == [engines[(i + r + j) % 3] for j in range(3)]
-    whole = run_harness(tiny_target, matrix, PROMPTS, max_tokens=6, device="cpu", warmup=False,
-                        repeats=2, interleave=False)
-    assert inter.settings["interleave"] is True and whole.settings["interleave"] is False
-    for a, b in zip(inter.results, whole.results):
-        assert (a.method, a.batch_size) == (b.method, b.batch_size)
-        assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens, a.tokens, a.steps) == \
-            (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens, b.tokens, b.steps)
-        assert a.lossless and b.lossless and a.num_prompts == len(PROMPTS)
-        assert len(a.speedup_runs) == 2 and a.speedup > 0
-    b1 = next(b for b in inter.baselines if b.batch_size == 1)
-    assert b1.tok_s == b1.tok_s_after > 0 and b1.num_prompts == len(PROMPTS)
-    assert all(r.ar_tok_s == b1.tok_s for r in inter.results if r.batch_size == 1)
-
-
 def test_baseline_interpolates_to_the_middle_of_a_run():
     """Linear in time between the run before (100 tok/s, 2 ms a step) and after (80, 2.5 ms),
     held at the ends."""
-    from infer.eval.harness import _baseline, _baseline_at
+    from infer.eval.harness import _baseline, _baseline_at, _Run
     from infer.eval.machine import CpuWindow
-    from infer.eval.runs import Run
     from infer.metrics import SpecMetrics
 
-    def run(tok_s: float, at: float) -> Run:
-        return Run([[1]] * 4, SpecMetrics(), int(tok_s), 1.0, 0, None, "cpu",
+    def run(tok_s: float, at: float) -> _Run:
+        return _Run([[1]] * 4, SpecMetrics(), int(tok_s), 1.0, 0, None, "cpu",
                     CpuWindow(1.0, 0.0, None), at)
 
     before, after = run(100, 10.0), run(80, 20.0)
@@ -528,8 +489,7 @@ def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
 
     monkeypatch.setattr(LLM, "generate", recording)
     run_harness(tiny_target, {"methods": [{"method": "suffix"}], "ks": [2],
-                              "batch_sizes": [1]}, PROMPTS, max_tokens=4, device="cpu",
-                interleave=False)
+                              "batch_sizes": [1]}, PROMPTS, max_tokens=4, device="cpu")
     assert seen == [0, 0]  # warm-up, then the timed run: both from an empty global tree
 
 
