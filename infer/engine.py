@@ -438,9 +438,7 @@ class LLM:
     def _prompt_groups(self, reqs: list[Request]) -> list[ForwardGroup]:
         """Each request's prompt as a group of its own (fresh cache row, the last logits)."""
         self.cache.reset(torch.tensor([r.slot for r in reqs], device=self.device))
-        return [ForwardGroup(torch.tensor([r.prompt_ids], device=self.device),
-                             torch.tensor([r.slot], device=self.device),
-                             logits_at=torch.tensor([[len(r.prompt_ids) - 1]], device=self.device))
+        return [ForwardGroup.last_of(torch.tensor([r.prompt_ids], device=self.device), r.slot)
                 for r in reqs]
 
     def _prefill_forward(self, reqs: list[Request]) -> ModelOutput:

@@ -22,7 +22,8 @@ from infer.atomic import atomic_dir, remove_leftovers
 from infer.errors import FileFormatError, MissingFileError
 from infer.files import read_json, read_safetensors
 from infer.models.attention import attend, cache_mask
-from infer.models.groups import ForwardGroup, flat_logits_at, plan_groups, split_picked
+from infer.models.groups import (ForwardGroup, flat_logits_at, flat_tokens, plan_groups,
+                                 split_picked)
 from infer.models.llama import ModelConfig
 from infer.models.loader import resolve_model_dir, weight_files
 from infer.spec_config import checkpoint_method
@@ -291,9 +292,8 @@ class PairDrafter(torch.nn.Module):
                          logits_at=g.logits_at)]
         layers = self.layer_config.num_layers  # KV cache layers (the masks: no sliding windows)
         step = plan_groups(cache, groups, lambda make: [make(None)] * layers)
-        ids = torch.cat([g.input_ids.flatten() for g in groups])[None]  # [1, N]
+        ids, positions = flat_tokens(groups, step)  # [1, N] each
         hidden = torch.cat([g.hidden.flatten(0, 1) for g in groups])[None]  # [1, N, H]
-        positions = torch.cat([s.positions.flatten() for s in step.steps])[None]  # [1, N]
         h = self._states(ids, hidden, positions, None, step)  # [1, N, H]
         h = gather_rows(h, flat_logits_at(groups))[0]  # [K_total, H]
         return [(self._logits(x), self._feedback(x)) for x in split_picked(h, groups)]

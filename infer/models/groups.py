@@ -32,6 +32,13 @@ class ForwardGroup:
     logits_at: Tensor | None = None  # [B, K] outputs only there (default every position)
     hidden: Tensor | None = None  # [B, T, H] a pair drafter's feature inputs (EAGLE heads)
 
+    @classmethod
+    def last_of(cls, ids: Tensor, slot: int, hidden: Tensor | None = None) -> "ForwardGroup":
+        """One cache row's tokens ``ids [1, n]`` (a prompt, a head's backlog), logits at the
+        last only: how new sequences join a grouped forward."""
+        return cls(ids, torch.tensor([slot], device=ids.device),
+                   logits_at=torch.tensor([[ids.shape[1] - 1]], device=ids.device), hidden=hidden)
+
 
 class GroupedStep:
     """The cache steps of several groups run as one forward: every projection, norm and MLP sees
@@ -74,6 +81,13 @@ def plan_groups(cache: KVCache, groups: list[ForwardGroup], layer_masks) -> Grou
         steps.append(step)
         masks.append(layer_masks(lambda window, s=step: cache_mask(s, window)))
     return GroupedStep(steps, masks)
+
+
+def flat_tokens(groups: list[ForwardGroup], step: GroupedStep) -> tuple[Tensor, Tensor]:
+    """The groups' token ids and positions on one flat axis: ``([1, N], [1, N])``."""
+    ids = torch.cat([g.input_ids.flatten() for g in groups])[None]  # [1, N]
+    positions = torch.cat([s.positions.flatten() for s in step.steps])[None]  # [1, N]
+    return ids, positions
 
 
 def flat_logits_at(groups: list[ForwardGroup]) -> Tensor:

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
 from infer.models.attention import attend, cache_mask, group_mask, position_mask, tree_mask
-from infer.models.groups import ForwardGroup, flat_logits_at, plan_groups, split_groups
+from infer.models.groups import (ForwardGroup, flat_logits_at, flat_tokens, plan_groups,
+                                 split_groups)
 from infer.models.layout import FusedLinear, pack_for_cpu_
 from infer.models.output import ModelOutput
 from infer.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
@@ -263,8 +264,7 @@ class Llama(nn.Module):
             return [self(g.input_ids, cache, g.slots, num_tokens=g.num_tokens,
                          aux_layer_ids=aux_layer_ids, logits_at=g.logits_at)]
         step = plan_groups(cache, groups, self._layer_masks)
-        ids = torch.cat([g.input_ids.flatten() for g in groups])[None]  # [1, N]
-        positions = torch.cat([s.positions.flatten() for s in step.steps])[None]  # [1, N]
+        ids, positions = flat_tokens(groups, step)  # [1, N] each
         out = self._run(ids, positions, [None] * self.config.num_layers, step, aux_layer_ids,
                         flat_logits_at(groups))
         return split_groups(out, groups)

@@ -104,9 +104,7 @@ class DraftModelProposer(Proposer):
             feed = toks[self.fed[slot]:-1]
             if len(feed) <= self.k:
                 continue
-            groups.append(ForwardGroup(torch.tensor([feed], device=device),
-                                       torch.tensor([slot], device=device),
-                                       logits_at=torch.tensor([[len(feed) - 1]], device=device)))
+            groups.append(ForwardGroup.last_of(torch.tensor([feed], device=device), slot))
             self.fed[slot] += len(feed)
         return groups
 

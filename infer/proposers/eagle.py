@@ -155,9 +155,7 @@ class EagleChainProposer(Proposer):
             if len(toks) - 1 - self.fed[slot] <= self.k + 1:
                 continue
             ids, feats, (n,) = self._catch_up_inputs([slot], [toks[:-1]])  # [1, n], [1, n, H]
-            index = torch.tensor([slot], device=self.ctx.device)
-            groups.append(ForwardGroup(ids, index, logits_at=torch.tensor([[n - 1]]).to(index),
-                                       hidden=feats))
+            groups.append(ForwardGroup.last_of(ids, slot, hidden=feats))
             self.fed[slot] += n
         return groups
 
