@@ -64,10 +64,12 @@ REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", 
 # learn more per second than 4 wide ones (8,200 training tokens/s with two threads), reach a
 # held-out cross-entropy under 0.6x the unigram model's at 2,400 steps of 4 x 256 tokens (lr
 # 4e-3; 3e-3 and 1,800 steps stop at 0.61), and the unlikelihood phase removes most greedy loops.
-# ~6 min for the target with two threads on an idle machine, ~9 with one.
+# Its continuations are generated 25 steps' worth at a time (100 rows per ``generate``: ~50 s
+# instead of ~120 s, as effective; docs/benchmarks.md, ninth session). ~8 min for the target
+# with two threads on an idle machine.
 TARGET_SPEC = TinyLMSpec(hidden_size=128, num_layers=8, num_heads=4, num_kv_heads=2,
                          intermediate_size=352, steps=2400, lr=4e-3, max_seconds=900.0,
-                         unlikelihood=UnlikelihoodSpec(steps=150))
+                         unlikelihood=UnlikelihoodSpec(steps=150, generate_every=25))
 DRAFT_SPEC = TinyLMSpec(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
                         intermediate_size=384, steps=600, max_seconds=150.0)
 
