@@ -4,7 +4,6 @@ and the held-out measures recorded in a build's meta (``train/tiny/build.py`` ca
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -38,32 +37,6 @@ class TinyLMSpec:
     warmup_steps: int = 50
     max_seconds: float = 600.0  # safety cap for a machine far slower than planned
     unlikelihood: UnlikelihoodSpec = UnlikelihoodSpec()  # a last phase against greedy loops
-    #: next-token steps: "bf16" runs their forward under bf16 autocast where the CPU multiplies
-    #: bf16 natively (AVX512-BF16 or AMX), float32 elsewhere; "fp32" always float32. The weights
-    #: and the optimizer stay float32 either way (:func:`autocast_dtype`).
-    mixed_precision: str = "bf16"
-
-    def __post_init__(self):
-        if self.mixed_precision not in MIXED_PRECISIONS:
-            raise ValueError(f"invalid value for 'mixed_precision': {self.mixed_precision!r}; "
-                             f"expected one of {', '.join(MIXED_PRECISIONS)}")
-
-
-MIXED_PRECISIONS = ("bf16", "fp32")
-
-
-def autocast_dtype(spec: TinyLMSpec) -> torch.dtype | None:
-    """bf16 when ``spec`` asks for it and this CPU has native bf16 dot products, else None.
-
-    Measured on the 8-layer target (2 Zen 4 cores, docs/benchmarks.md): the next-token phase
-    takes ~9 % less time under autocast and reaches the same held-out cross-entropy (0.585 of
-    the unigram model's against 0.590 in float32). Without native bf16 the casts only cost time,
-    so such a CPU trains in float32 (the build records which: ``training.autocast``)."""
-    if spec.mixed_precision != "bf16":
-        return None
-    native = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported",
-                                                          "_is_amx_tile_supported")]
-    return torch.bfloat16 if any(check is not None and check() for check in native) else None
 
 
 def make_model(spec: TinyLMSpec, tokenizer: PreTrainedTokenizerBase,
@@ -115,9 +88,6 @@ def train_lm(model: LlamaForCausalLM, rows: torch.Tensor, spec: TinyLMSpec, seed
     losses: list[float] = []
     tokens, ema, stopped_early = 0, None, False
     model.train()
-    dtype = autocast_dtype(spec)
-    autocast = (torch.autocast("cpu", dtype=dtype) if dtype is not None
-                else contextlib.nullcontext())
     start = time.monotonic()
     bar = tqdm(total=spec.steps, desc=desc, disable=not progress, mininterval=2.0,
                dynamic_ncols=True)
@@ -129,8 +99,7 @@ def train_lm(model: LlamaForCausalLM, rows: torch.Tensor, spec: TinyLMSpec, seed
         while len(order) < spec.batch_size:  # epochs of seeded permutations
             order = torch.cat([order, torch.randperm(len(rows), generator=gen)])
         batch, order = rows[order[:spec.batch_size]], order[spec.batch_size:]  # [B, T]
-        with autocast:
-            loss = model(input_ids=batch, labels=batch).loss
+        loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -155,7 +124,6 @@ def train_lm(model: LlamaForCausalLM, rows: torch.Tensor, spec: TinyLMSpec, seed
             "seq_len": rows.shape[1], "lr": spec.lr, "warmup_steps": spec.warmup_steps,
             "tokens_seen": tokens, "seconds": round(time.monotonic() - start, 2),
             "num_threads": torch.get_num_threads(),
-            "autocast": None if dtype is None else str(dtype).removeprefix("torch."),
             "stopped_early": stopped_early, "loss_curve": curve}
 
 
