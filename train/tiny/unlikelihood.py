@@ -51,6 +51,12 @@ class UnlikelihoodSpec:
     #: first of them: one batched ``generate`` instead of one per step (module doc)
     generate_every: int = 1
 
+    def __post_init__(self):
+        every = self.generate_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"invalid value for 'generate_every': {every!r}; "
+                             "expected an integer >= 1 (steps per batched generate)")
+
 
 def repeated_ngram_mask(tokens: torch.Tensor, n: int = REPETITION_N) -> torch.Tensor:
     """True on every token of an n-gram that already occurred earlier in its row.
@@ -84,9 +90,10 @@ def _step_loss(model: LlamaForCausalLM, batch: torch.Tensor, full: torch.Tensor,
     """(next-token loss on ``batch``, unlikelihood loss on the greedy continuations ``full``
     [B, P + N] (prefix and continuation), share of negatives)."""
     mle = model(input_ids=batch, labels=batch).loss
-    cont = full[:, spec.prefix_tokens:]  # [B, N]
+    prefix = full.shape[1] - spec.new_tokens  # P (rows shorter than prefix_tokens give less)
+    cont = full[:, prefix:]  # [B, N]
     negatives = repeated_ngram_mask(cont)
-    logits = model(input_ids=full).logits[:, spec.prefix_tokens - 1:-1]  # [B, N, V]
+    logits = model(input_ids=full).logits[:, prefix - 1:-1]  # [B, N, V]
     return mle, unlikelihood_loss(logits, cont, negatives), float(negatives.float().mean())
 
 
@@ -110,11 +117,12 @@ def finetune(model: LlamaForCausalLM, rows: torch.Tensor, spec: UnlikelihoodSpec
     gen = torch.Generator().manual_seed(seed + 1)
     start, curve = time.monotonic(), []
     model.train()
-    every, queued = max(1, spec.generate_every), []
+    queued: list[torch.Tensor] = []
     for step in tqdm(range(spec.steps), desc=desc, disable=not progress, mininterval=2.0,
                      dynamic_ncols=True):
-        if not queued:
-            queued = _continuations(model, rows, spec, min(every, spec.steps - step), gen)
+        if not queued:  # the next generate_every steps' continuations, in one batch
+            n = min(spec.generate_every, spec.steps - step)
+            queued = _continuations(model, rows, spec, n, gen)
         batch = rows[torch.randint(0, len(rows), (spec.batch_size,), generator=gen)]  # [B, T]
         mle, ul, share = _step_loss(model, batch, queued.pop(0), spec)
         (mle + spec.weight * ul).backward()
