@@ -95,7 +95,8 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
 
 def summary(report: HarnessReport) -> str:
     """One line per configuration: temperature, batch, drafting rule, acceptance length,
-    per-position rates, speedup (``busy``: another process competed for the cores)."""
+    per-position rates, speedup (``busy``: another process competed for the cores); each cell's
+    autoregressive throughput before and after, and whether the machine's speed drifted."""
     lines = ["method            k    T  batch  drafts   accept_len  per-position         tok/s"
              "   speedup"]
     for r in report.results:
@@ -105,8 +106,10 @@ def summary(report: HarnessReport) -> str:
                      f"{drafts:<7} {r.acceptance_length:>11.2f}  {rates:<20} {r.tok_s:>6.1f}  "
                      f"{r.speedup:>7.2f}x" + (" busy" if r.contended else ""))
     for b in report.baselines:
+        drift = (f" (the machine's speed moved {b.drift:+.0%} within the cell: its single-run "
+                 "speedups are as uncertain)" if b.drifted else "")
         lines.append(f"autoregressive (batch {b.batch_size}, T={b.temperature:g}): "
-                     f"{b.tok_s:.1f} tok/s before the cell, {b.tok_s_after:.1f} after")
+                     f"{b.tok_s:.1f} tok/s before the cell, {b.tok_s_after:.1f} after{drift}")
     if not report.lossless:
         lines.append("LOSSLESS CHECK FAILED: a greedy speculative output differed (results.md)")
     return "\n".join(lines)

@@ -272,6 +272,11 @@ class _Matrix:
         base = _baseline(ars[0], ars[1], batch, temp)
         log.info("autoregressive batch=%d temperature=%g: %.1f tok/s before the cell, %.1f after "
                  "its first round", batch, temp, base.tok_s, base.tok_s_after)
+        if base.drifted:
+            log.warning("the machine's speed moved by %+.0f %% within this cell (autoregressive "
+                        "%.1f -> %.1f tok/s): single-run speedups here are as uncertain%s",
+                        100 * base.drift, base.tok_s, base.tok_s_after,
+                        "" if self.repeats > 1 else "; eval.repeats=3 takes medians")
         self.baselines.append(base)
         return [self._row(cfg, spec, rounds, ars, base)
                 for cfg, spec, rounds in zip(cfgs, specs, runs)]

@@ -22,7 +22,7 @@ from matplotlib.ticker import MaxNLocator
 
 from infer.atomic import atomic_file, remove_leftovers, write_text
 from infer.eval.machine import CONTENTION_CORES
-from infer.eval.results import ConfigResult, HarnessReport
+from infer.eval.results import DRIFT_WARN, ConfigResult, HarnessReport
 from infer.tracking import Logger
 
 PLOTS = ("per_position_acceptance.png", "speedup_vs_k.png", "acceptance_length_vs_k.png")
@@ -126,7 +126,21 @@ def _header(report: HarnessReport) -> list[str]:
         lines += [f"**Other processes competed for the cores** during {len(busy)} timed runs "
                   "(marked `busy` below: their tok/s, speedups and costs are not to be trusted; "
                   "rerun on an idle machine).", ""]
-    return lines
+    return lines + _drift_warning(report)
+
+
+def _drift_warning(report: HarnessReport) -> list[str]:
+    """Cells within which the machine itself changed speed (:attr:`Baseline.drifted`)."""
+    drifted = [b for b in report.baselines if b.drifted]
+    if not drifted:
+        return []
+    cells = ", ".join(f"batch {b.batch_size} T={b.temperature:g}: {b.tok_s:.1f} -> "
+                      f"{b.tok_s_after:.1f} tok/s" for b in drifted)
+    advice = ("their medians over the rounds damp it" if report.settings.get("repeats", 1) > 1
+              else "rerun with eval.repeats=3 for medians")
+    return [f"**The machine's speed drifted** within {len(drifted)} cell(s): the "
+            f"autoregressive throughput moved by more than {DRIFT_WARN:.0%} across them "
+            f"({cells}). A speedup measured there can be off by about as much; {advice}.", ""]
 
 
 def _baselines_table(report: HarnessReport) -> list[str]:

@@ -37,6 +37,12 @@ from typing import Any, Mapping
 from infer.eval.machine import CONTENTION_CORES
 
 SCHEMA_VERSION = 3
+#: a cell's autoregressive throughput moving by more than this share between the run before its
+#: configurations and the run after their first round: the machine itself changed speed (on a
+#: shared host, its neighbours; no process of this machine shows it), and a single run's speedup
+#: in that cell can be off by about as much (docs/benchmarks.md, eleventh session: an n-gram row
+#: that never drafts read 0.86-1.40 in one evening)
+DRIFT_WARN = 0.15
 
 
 @dataclass
@@ -53,6 +59,17 @@ class Baseline:
     # the same run again after the cell's configurations (schema 3; 0: not measured)
     tok_s_after: float = 0.0
     c_ar_s_after: float = 0.0
+
+    @property
+    def drift(self) -> float | None:
+        """How much the autoregressive throughput moved across the cell (after / before - 1);
+        None when the run after was not measured."""
+        return self.tok_s_after / self.tok_s - 1 if self.tok_s and self.tok_s_after else None
+
+    @property
+    def drifted(self) -> bool:
+        """The machine changed speed within the cell by more than :data:`DRIFT_WARN`."""
+        return self.drift is not None and abs(self.drift) > DRIFT_WARN
 
 
 @dataclass

@@ -41,3 +41,16 @@ def test_default_recipe_compares_every_method_at_its_best_k(tmp_path):
                   "draft_model": {3}}
     assert {(c.temperature, c.batch_size) for c in configs} == {(0.0, 1), (0.0, 8), (1.0, 1),
                                                                 (1.0, 8)}
+
+
+def test_summary_says_when_the_machine_changed_speed_within_a_cell():
+    """The end-of-training table flags a cell whose autoregressive runs before and after
+    differ by more than DRIFT_WARN, and only that cell."""
+    from infer.eval.results import Baseline, HarnessReport
+    from train.evaluate import summary
+
+    moved = Baseline(1, 0.0, 300.0, 64, 0.2, 64, 0.003, tok_s_after=220.0)
+    steady = Baseline(8, 0.0, 1000.0, 64, 0.06, 8, 0.008, tok_s_after=1040.0)
+    lines = summary(HarnessReport("t", {}, [moved, steady], [], [], {}, "now")).splitlines()
+    assert "moved -27% within the cell" in lines[1]
+    assert lines[2].endswith("1040.0 after")

@@ -476,6 +476,32 @@ def test_baseline_interpolates_to_the_middle_of_a_run():
     assert base.tok_s == 100  # the cell's record is unchanged
 
 
+def test_a_cell_whose_machine_changed_speed_is_flagged():
+    """The run after a cell's first round 30 % faster than the one before (a shared host's
+    neighbours): the report says so, names the cell, and advises repeats; a 5 % move and a cell
+    without a run after are not flagged."""
+    from infer.eval.report import render_markdown
+    from infer.eval.results import Baseline, HarnessReport
+
+    def base(batch: int, before: float, after: float) -> Baseline:
+        return Baseline(batch, 0.0, before, 64, 64 / before, 64, 1 / before, tok_s_after=after)
+
+    fast, steady, unknown = base(1, 300.0, 390.0), base(8, 1000.0, 950.0), base(4, 500.0, 0.0)
+    assert fast.drift == pytest.approx(0.3) and fast.drifted
+    assert steady.drift == pytest.approx(-0.05) and not steady.drifted
+    assert unknown.drift is None and not unknown.drifted
+    settings = {"max_tokens": 4, "num_prompts": 2, "device": "cpu", "torch_threads": 1}
+    report = HarnessReport("t", dict(settings), [fast, steady, unknown], [], [], {}, "now")
+    text = render_markdown(report)
+    assert "speed drifted** within 1 cell(s)" in text
+    assert "batch 1 T=0: 300.0 -> 390.0 tok/s" in text and "batch 8" not in text.split("##")[0]
+    assert "eval.repeats=3" in text
+    report.settings["repeats"] = 3
+    assert "medians over the rounds damp it" in render_markdown(report)
+    report.baselines = [steady, unknown]
+    assert "drifted" not in render_markdown(report)
+
+
 def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
     """The warm-up's requests leave nothing in cross-request proposer state (suffix decoding's
     global tree) for the timed run to draft from."""
