@@ -80,6 +80,7 @@ class KVCache:
         self._row_head_base = ((torch.arange(max_batch, device=device)[:, None] * num_kv_heads
                                 + torch.arange(num_kv_heads, device=device))
                                * (max_len + 1))  # [rows, kv_heads]
+        self._aranges: dict[int, Tensor] = {}  # seq -> arange(seq) (see _offsets)
 
     @classmethod
     def for_model(cls, config, max_batch: int, max_len: int, *, dtype: torch.dtype | None = None,
@@ -111,29 +112,46 @@ class KVCache:
         """
         device = self.lens.device
         start = self.lens[:batch] if slots is None else self.lens[slots]  # [B]
-        offsets = torch.arange(seq, device=device)  # [T]
+        offsets = self._offsets(seq)  # [T]
         positions = start[:, None] + offsets  # [B, T] cache columns
-        # a position past max_len (only reachable with a caller's fixed kv_len, which skips the
-        # overflow check below) goes to the scratch column too, never into another row's keys
-        valid = positions < self.max_len  # [B, T]
-        if num_tokens is None:
-            num_tokens = torch.full((batch,), seq, dtype=torch.long, device=device)
-        else:
-            valid &= offsets[None, :] < num_tokens[:, None]
-        write_pos = positions.masked_fill(~valid, self.max_len)  # [B, T]
-        if depths is not None:
-            positions = start[:, None] + depths  # [B, T] a tree's nodes sit at their depth
-        base = self._row_head_base[:batch] if slots is None else self._row_head_base[slots]
-        flat_index = (base[:, None, :] + write_pos[:, :, None]).flatten()  # [B * T * kv_heads]
         exact = kv_len is None
-        if exact:
-            kv_len = int((start + num_tokens).max())  # host sync, once per forward
+        if exact:  # host sync, once per forward
+            kv_len = (int(start.max()) + seq if num_tokens is None
+                      else int((start + num_tokens).max()))
             if kv_len > self.max_len:
                 raise ValueError(f"KVCache overflow: a row needs {kv_len} positions but the cache "
                                  f"holds max_len={self.max_len}")
             kv_len = max(kv_len, 1)
+        if num_tokens is None:
+            num_tokens = torch.full((batch,), seq, dtype=torch.long, device=device)
+            # no padding, and with an exact kv_len every position is < max_len (checked above):
+            # the common decode step skips the three ops of the general case
+            write_pos = positions if exact else self._clip(positions)  # [B, T]
+        else:
+            write_pos = self._clip(positions, offsets[None, :] < num_tokens[:, None])
+        if depths is not None:
+            positions = start[:, None] + depths  # [B, T] a tree's nodes sit at their depth
+        base = self._row_head_base[:batch] if slots is None else self._row_head_base[slots]
+        flat_index = (base[:, None, :] + write_pos[:, :, None]).flatten()  # [B * T * kv_heads]
         return CacheStep(self, slots, positions, write_pos, num_tokens, kv_len, flat_index,
                          exact)
+
+    def _clip(self, positions: Tensor, real: Tensor | None = None) -> Tensor:
+        """Cache columns ``[B, T]``: padding (``real`` False) and positions past ``max_len``
+        (only reachable with a caller's fixed kv_len, which skips the overflow check) go to the
+        scratch column, never into another row's keys."""
+        valid = positions < self.max_len  # [B, T]
+        if real is not None:
+            valid &= real
+        return positions.masked_fill(~valid, self.max_len)
+
+    def _offsets(self, seq: int) -> Tensor:
+        """``arange(seq)`` on the cache's device, made once per length (a decode step's planning
+        is a dozen tiny ops; each one saved is a few microseconds of a draft head's step)."""
+        offsets = self._aranges.get(seq)
+        if offsets is None:
+            offsets = self._aranges[seq] = torch.arange(seq, device=self.lens.device)
+        return offsets
 
     def advance(self, step: CacheStep) -> None:
         """``lens[row] += num_tokens`` for the rows of ``step`` (in place, no sync)."""

@@ -53,7 +53,7 @@ from infer.drafters.common import (d2t_from_ids, draft_to_target_ids, draft_to_t
 from infer.files import check_tensors
 from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm
 from infer.models.loader import config_from_hf, resolve_dtype
-from infer.models.rope import apply_rope, rope_cos_sin, rope_frequencies
+from infer.models.rope import apply_rope, rope_cos_sin, rope_frequencies, step_rope
 from infer.validation import config_error
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -347,7 +347,7 @@ class DFlashDrafter(nn.Module):
         the context's, then the block's own. ``kv``: :class:`ContextKV` or a ``CacheStep``.
         """
         h = self.embed(ids).to(self.fc.weight.dtype)  # [B, S, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, h.dtype)
+        cos, sin = step_rope(self, positions, h.dtype, kv)
         for layer in self.layers:
             h = layer(h, cos, sin, mask, kv)
         return self.norm(h)

@@ -44,7 +44,7 @@ from infer.drafters.common import (PairDrafter, StepKV, hf_layer_config,
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.llama import DecoderLayer, ModelConfig
-from infer.models.rope import rope_cos_sin, rope_frequencies
+from infer.models.rope import rope_frequencies, step_rope
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import config_error
 
@@ -151,7 +151,7 @@ class EagleDrafter(PairDrafter):
         self._need_target()
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [B, T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, x.dtype)
+        cos, sin = step_rope(self, positions, x.dtype, step)
         return self.layers[0](x, cos, sin, mask, step)  # [B, T, H]
 
     def _logits(self, h: Tensor) -> Tensor:

@@ -57,7 +57,7 @@ from infer.drafters.common import (PairDrafter, StepKV, d2t_from_ids, draft_to_t
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.llama import MLP, Attention, DecoderLayer, ModelConfig, RMSNorm
-from infer.models.rope import rope_cos_sin, rope_frequencies
+from infer.models.rope import rope_frequencies, step_rope
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import check_int, config_error
 
@@ -404,7 +404,7 @@ class Eagle3Drafter(PairDrafter):
     def _states(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
                 step: CacheStep | StepKV | None) -> Tensor:
         embeds = self.embed(input_ids).to(hidden.dtype)  # [B, T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, hidden.dtype)
+        cos, sin = step_rope(self, positions, hidden.dtype, step)
         h = self.layers[0](embeds, hidden, cos, sin, mask, step)  # [B, T, H]
         for layer in self.layers[1:]:  # plain Llama layers over h (vLLM's layer_idx > 0)
             h = layer(h, cos, sin, mask, step)  # [B, T, H]

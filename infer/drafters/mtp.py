@@ -38,7 +38,7 @@ from infer.files import check_tensors, open_safetensors, read_json
 from infer.kv_cache import CacheStep
 from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm
 from infer.models.loader import load_config, resolve_dtype, resolve_model_dir, weight_files
-from infer.models.rope import rope_cos_sin, rope_frequencies
+from infer.models.rope import rope_frequencies, step_rope
 
 PREFIX = "model.mtp_layers."
 NUM_LAYERS_KEY = "num_nextn_predict_layers"
@@ -107,7 +107,7 @@ class MTPDrafter(PairDrafter):
                                "attach_target(target) first")
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)  # vLLM: no embedding at 0
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, embeds.dtype)
+        cos, sin = step_rope(self, positions, embeds.dtype, step)
         return self.mtp_layers[0].predict(embeds, hidden, cos, sin, mask, step)  # [B, T, H]
 
     def _logits(self, o: Tensor) -> Tensor:

@@ -56,6 +56,11 @@ class GroupedStep:
         self.masks = masks  # [group][layer]: the group's cache mask for that layer
         self.sizes = [step.positions.numel() for step in steps]  # B * T per group
 
+    @property
+    def cache(self) -> KVCache:
+        """The cache every group writes (one per forward; :func:`plan_groups` takes one)."""
+        return self.steps[0].cache
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """``q [1, heads, N, hd]``, ``k, v [1, kv_heads, N, hd]`` (the groups' tokens in order)
         -> ``[1, heads, N, hd]``."""

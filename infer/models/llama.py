@@ -32,7 +32,7 @@ from infer.models.groups import (ForwardGroup, flat_logits_at, flat_tokens, plan
                                  split_groups)
 from infer.models.layout import FusedLinear, pack_for_cpu_
 from infer.models.output import ModelOutput
-from infer.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
+from infer.models.rope import RopeConfig, apply_rope, rope_frequencies, step_rope
 
 if TYPE_CHECKING:
     from infer.draft_tree import SiblingTree
@@ -315,7 +315,7 @@ class Llama(nn.Module):
         masks = self._group_masks(masks, input_ids.device)
         keep = set(aux_ids)
         h = self.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_scale, h.dtype)
+        cos, sin = step_rope(self, positions, h.dtype, step)
         saved = {0: h} if 0 in keep else {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, masks[i], step)

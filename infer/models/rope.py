@@ -117,6 +117,51 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float,
     return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
+class RopeTable:
+    """:func:`rope_cos_sin` of positions ``0 .. size - 1``, computed once, for cached forwards.
+
+    Why: at decode sizes on a CPU every op costs microseconds of dispatch whatever its size, and
+    computing cos / sin per forward is a dozen ops; for a one-layer draft head that was about a
+    tenth of its step (a target spreads it over all its layers). A cached forward's positions
+    are bounded by its cache, so a table of ``cache.capacity`` rows covers every valid token
+    (padding beyond it is clamped: its outputs are discarded). The rows are the same
+    elementwise math as :func:`rope_cos_sin`, so the values are identical bit for bit.
+    """
+
+    def __init__(self, inv_freq: Tensor, scale: float, size: int, dtype: torch.dtype):
+        positions = torch.arange(size, device=inv_freq.device)[None]  # [1, P]
+        cos, sin = rope_cos_sin(inv_freq, positions, scale, dtype)  # [1, 1, P, hd] each
+        self.cos, self.sin = cos[0, 0], sin[0, 0]  # [P, hd]
+        self.key = table_key(inv_freq, scale, size, dtype)
+
+    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``positions [B, T]`` -> cos, signed sin ``[B, 1, T, hd]`` (as :func:`rope_cos_sin`)."""
+        index = positions.clamp_max(self.cos.shape[0] - 1)  # [B, T]
+        return self.cos[index][:, None], self.sin[index][:, None]
+
+
+def table_key(inv_freq: Tensor, scale: float, size: int, dtype: torch.dtype) -> tuple:
+    """What a :class:`RopeTable` depends on: a new frequency tensor (``init_buffers``, a move to
+    another device) or another cache size or dtype builds a new table."""
+    return inv_freq.data_ptr(), inv_freq.device, scale, size, dtype
+
+
+def step_rope(owner, positions: Tensor, dtype: torch.dtype, step) -> tuple[Tensor, Tensor]:
+    """cos / sin for a forward of ``owner`` (a module with ``inv_freq`` and ``rope_scale``):
+    looked up in its :class:`RopeTable` when ``step`` writes a KV cache (a ``CacheStep`` or a
+    grouped one: anything with a ``cache``), computed by :func:`rope_cos_sin` otherwise
+    (training steps, whose positions are not bounded by a cache)."""
+    cache = getattr(step, "cache", None)
+    if cache is None:
+        return rope_cos_sin(owner.inv_freq, positions, owner.rope_scale, dtype)
+    key = table_key(owner.inv_freq, owner.rope_scale, cache.capacity, dtype)
+    table = owner.__dict__.get("_rope_table")
+    if table is None or table.key != key:
+        table = RopeTable(owner.inv_freq, owner.rope_scale, cache.capacity, dtype)
+        object.__setattr__(owner, "_rope_table", table)  # not a buffer: never saved or moved
+    return table(positions)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x [B, heads, T, hd]`` (half-split layout, as in Hugging Face checkpoints), with
     ``cos, sin`` from :func:`rope_cos_sin`: Hugging Face's ``x * cos + cat(-x2, x1) * sin``,

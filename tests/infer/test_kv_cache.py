@@ -86,3 +86,21 @@ def test_advance_truncate_reset():
     assert cache.lens.tolist() == [2, 0, 0, 1]
     cache.reset()
     assert cache.lens.tolist() == [0, 0, 0, 0]
+
+
+def test_a_plan_without_padding_is_the_padded_plan_with_every_token_real():
+    """The no-padding fast path (no masked_fill) must plan exactly what the general path plans
+    for the same rows when every token is real, in order or through slots, and still refuse an
+    overflow."""
+    cache = KVCache(2, 4, 2, 16, 8)
+    cache.lens[:] = torch.tensor([3, 0, 7, 12])
+    for slots in (None, torch.tensor([2, 0])):
+        batch = 4 if slots is None else 2
+        fast = cache.plan(batch, 4, slots)
+        full = cache.plan(batch, 4, slots, num_tokens=torch.full((batch,), 4))
+        for name in ("positions", "write_pos", "num_tokens", "flat_index"):
+            assert torch.equal(getattr(fast, name), getattr(full, name)), name
+        assert (fast.kv_len, fast.exact) == (full.kv_len, full.exact) == (
+            int(cache.lens[:batch].max() if slots is None else cache.lens[slots].max()) + 4, True)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.plan(4, 5)  # row 3: 12 + 5 > 16
