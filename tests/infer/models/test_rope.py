@@ -59,7 +59,11 @@ def test_step_rope_looks_up_a_table_per_cache_and_computes_without_one():
                                torch.float32)
     assert torch.equal(cos, want_cos)  # padding is clamped to the last row, never out of range
     step_rope(owner, positions, torch.float32, step)
-    assert owner._rope_table is table  # built once
+    step_rope(owner, positions, torch.float32, KVCache(1, 1, 1, 10, 16).plan(1, 1))
+    assert owner._rope_table is table  # built once; a smaller cache reuses it
+    step_rope(owner, positions, torch.float32, KVCache(1, 1, 1, 50, 16).plan(1, 1))
+    assert owner._rope_table.size == 51  # a larger cache grows it
+    table = owner._rope_table
     owner.inv_freq = owner.inv_freq * 2  # new frequencies (init_buffers, a move): a new table
     cos2, _ = step_rope(owner, positions[:1], torch.float32, step)
     assert owner._rope_table is not table
