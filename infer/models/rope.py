@@ -132,22 +132,24 @@ class RopeTable:
         positions = torch.arange(size, device=inv_freq.device)[None]  # [1, P]
         cos, sin = rope_cos_sin(inv_freq, positions, scale, dtype)  # [1, 1, P, hd] each
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [P, hd]
-        self.key = table_key(inv_freq, scale, dtype)
+        self.inv_freq, self.scale = inv_freq, scale
 
     @property
     def size(self) -> int:
         return self.cos.shape[0]
 
+    def serves(self, inv_freq: Tensor, scale: float, size: int, dtype: torch.dtype) -> bool:
+        """Whether this table holds these rows: the same frequency tensor (``init_buffers`` or a
+        move to another device makes a new one), scale and dtype, and at least ``size`` rows (a
+        larger table serves a smaller cache too, so a model shared by engines of different
+        lengths keeps one table)."""
+        return (self.inv_freq is inv_freq and self.scale == scale and self.cos.dtype == dtype
+                and self.size >= size)
+
     def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``positions [B, T]`` -> cos, signed sin ``[B, 1, T, hd]`` (as :func:`rope_cos_sin`)."""
         index = positions.clamp_max(self.size - 1)  # [B, T]
         return self.cos[index][:, None], self.sin[index][:, None]
-
-
-def table_key(inv_freq: Tensor, scale: float, dtype: torch.dtype) -> tuple:
-    """What a :class:`RopeTable`'s values depend on: a new frequency tensor (``init_buffers``, a
-    move to another device) or another dtype builds a new table."""
-    return inv_freq.data_ptr(), inv_freq.device, scale, dtype
 
 
 def step_rope(owner, positions: Tensor, dtype: torch.dtype, step) -> tuple[Tensor, Tensor]:
@@ -158,11 +160,8 @@ def step_rope(owner, positions: Tensor, dtype: torch.dtype, step) -> tuple[Tenso
     cache = getattr(step, "cache", None)
     if cache is None:
         return rope_cos_sin(owner.inv_freq, positions, owner.rope_scale, dtype)
-    key = table_key(owner.inv_freq, owner.rope_scale, dtype)
     table = owner.__dict__.get("_rope_table")
-    # a larger table serves a smaller cache too: a model shared by engines of different lengths
-    # keeps one table instead of rebuilding it at every switch
-    if table is None or table.key != key or table.size < cache.capacity:
+    if table is None or not table.serves(owner.inv_freq, owner.rope_scale, cache.capacity, dtype):
         table = RopeTable(owner.inv_freq, owner.rope_scale, cache.capacity, dtype)
         object.__setattr__(owner, "_rope_table", table)  # not a buffer: never saved or moved
     return table(positions)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from infer.kv_cache import KVCache
-from infer.models.rope import RopeConfig, RopeTable, apply_rope, rope_cos_sin, rope_frequencies, step_rope
+from infer.models.rope import (RopeConfig, RopeTable, apply_rope, rope_cos_sin, rope_frequencies,
+                               step_rope)
 
 
 def test_rope_rotation_is_hugging_faces_bit_for_bit():
