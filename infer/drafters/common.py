@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -251,12 +251,22 @@ def as_bool_mask(mask: Tensor | None) -> Tensor | None:
     return mask[:, None] if mask.dim() == 3 else mask
 
 
+class HeadParts(NamedTuple):
+    """What a head's forwards call: its modules (training) or their bundles (cached forwards,
+    built once: :mod:`infer.models.snapshot`)."""
+
+    embed: Callable[[Tensor], Tensor]
+    layers: Sequence[Callable[..., Tensor]]
+    norm: Callable[[Tensor], Tensor]
+    lm_head: Callable[[Tensor], Tensor]
+
+
 class PairDrafter(torch.nn.Module):
     """Base of the EAGLE heads: one decoder layer over pairs ``(hidden [B, T, H], input_ids
     [B, T])``. Subclasses implement ``_states(input_ids, hidden, positions, mask, step) -> h
-    [B, T, H]`` (the layers), ``_logits(h) -> [..., V]`` and ``_feedback(h)`` (the state the
-    next step takes); this class gives all heads the same cached (inference) and full-sequence
-    (training) entry points. The split lets training apply the LM head only where a loss is
+    [B, T, H]`` (the layers), ``_logits(h, step) -> [..., V]`` and ``_feedback(h, step)`` (the
+    state the next step takes; ``step`` as ``_states`` got it); this class gives all heads the
+    same cached (inference) and full-sequence (training) entry points. The split lets training apply the LM head only where a loss is
     taken (``forward_train(select=)``): with the whole vocabulary, the ``[B, T, V]`` logits and
     their softmax were most of an EAGLE-3 training step."""
 
@@ -279,7 +289,7 @@ class PairDrafter(torch.nn.Module):
         h = self._states(input_ids, hidden, step.positions, cache_mask(step), step)  # [B, T, H]
         cache.advance(step)
         h = gather_rows(h, logits_at)  # [B, K, H]
-        return self._logits(h), self._feedback(h)
+        return self._logits(h, step), self._feedback(h, step)
 
     def forward_groups(self, groups: list[ForwardGroup], cache) -> list[tuple[Tensor, Tensor]]:
         """Several cached steps as one forward (:class:`~infer.models.groups.GroupedStep`, each
@@ -296,7 +306,7 @@ class PairDrafter(torch.nn.Module):
         hidden = torch.cat([g.hidden.flatten(0, 1) for g in groups])[None]  # [1, N, H]
         h = self._states(ids, hidden, positions, None, step)  # [1, N, H]
         h = gather_rows(h, flat_logits_at(groups))[0]  # [K_total, H]
-        return [(self._logits(x), self._feedback(x)) for x in split_picked(h, groups)]
+        return [(self._logits(x, step), self._feedback(x, step)) for x in split_picked(h, groups)]
 
     def forward_train(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
                       attention_mask: Tensor | None = None, kv: StepKV | None = None,
@@ -317,4 +327,4 @@ class PairDrafter(torch.nn.Module):
             raise ValueError("forward_train: an attention_mask is required once kv holds "
                              "earlier steps' keys")
         h = self._states(input_ids, hidden, position_ids, mask, kv)  # [B, T, H]
-        return self._logits(h if select is None else h[select]), self._feedback(h)
+        return self._logits(h if select is None else h[select], kv), self._feedback(h, kv)

@@ -154,11 +154,11 @@ class EagleDrafter(PairDrafter):
         cos, sin = step_rope(self, positions, x.dtype, step)
         return self.layers[0](x, cos, sin, mask, step)  # [B, T, H]
 
-    def _logits(self, h: Tensor) -> Tensor:
+    def _logits(self, h: Tensor, step=None) -> Tensor:
         # the shared head may be in the target's dtype while a trained head is fp32
         return self.lm_head(h.to(self.lm_head.weight.dtype))  # [..., V]
 
-    def _feedback(self, h: Tensor) -> Tensor:
+    def _feedback(self, h: Tensor, step=None) -> Tensor:
         return h
 
     # ---- checkpoint --------------------------------------------------------------------------

@@ -51,13 +51,15 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (PairDrafter, StepKV, d2t_from_ids, draft_to_target_ids,
+from infer.drafters.common import (HeadParts, PairDrafter, StepKV, d2t_from_ids, draft_to_target_ids,
                                    draft_to_target_probs, hf_layer_config,
                                    read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
-from infer.models.llama import MLP, Attention, DecoderLayer, ModelConfig, RMSNorm
+from infer.models.functional import AttentionWeights, Embed, MLPWeights, Norm
+from infer.models.llama import MLP, Attention, DecoderLayer, ModelConfig, RMSNorm, proj_of
 from infer.models.rope import rope_frequencies, step_rope
+from infer.models.snapshot import snapshot_of, uses_snapshot
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import check_int, config_error
 
@@ -291,6 +293,32 @@ class Eagle3Config:
             verifier_name_or_path=verifier_name_or_path, **flags)
 
 
+def eagle3_layer(layer, embeds: Tensor, g: Tensor, cos: Tensor, sin: Tensor,
+                 mask: Tensor | None, step=None) -> Tensor:
+    """Layer 0 (an :class:`Eagle3Layer` or its bundle): ``embeds, g [B, T, H]`` -> ``[B, T, H]``."""
+    normed = layer.hidden_norm(g)
+    residual = normed if layer.norm_before_residual else g
+    x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+    h = residual + layer.self_attn(x, cos, sin, mask, step)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True, slots=True)
+class Eagle3LayerWeights:
+    """Layer 0's bundle (:mod:`infer.models.functional`), member names as the module's."""
+
+    input_layernorm: Norm
+    hidden_norm: Norm
+    self_attn: AttentionWeights
+    post_attention_layernorm: Norm
+    mlp: MLPWeights
+    norm_before_residual: bool
+
+    def __call__(self, embeds: Tensor, g: Tensor, cos: Tensor, sin: Tensor,
+                 mask: Tensor | None, step=None) -> Tensor:
+        return eagle3_layer(self, embeds, g, cos, sin, mask, step)
+
+
 class Eagle3Layer(nn.Module):
     """Decoder layer 0: q/k/v over ``cat(input_layernorm(embeds), hidden_norm(g))``."""
 
@@ -308,14 +336,16 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm_before_residual = norm_before_residual
 
+    def weights(self) -> Eagle3LayerWeights:
+        return Eagle3LayerWeights(self.input_layernorm.weights(), self.hidden_norm.weights(),
+                                  self.self_attn.weights(),
+                                  self.post_attention_layernorm.weights(), self.mlp.weights(),
+                                  self.norm_before_residual)
+
     def forward(self, embeds: Tensor, g: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 step=None) -> Tensor:
         """``embeds, g [B, T, H]`` -> ``[B, T, H]``."""
-        normed = self.hidden_norm(g)
-        residual = normed if self.norm_before_residual else g
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
-        h = residual + self.self_attn(x, cos, sin, mask, step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return eagle3_layer(self, embeds, g, cos, sin, mask, step)
 
 
 class Eagle3Drafter(PairDrafter):
@@ -366,11 +396,14 @@ class Eagle3Drafter(PairDrafter):
         share(self, "shared_embed", embedding)
 
     def embed(self, ids: Tensor) -> Tensor:
+        return self._embedding()(ids)
+
+    def _embedding(self) -> nn.Embedding:
         emb = self.embed_tokens if self.embed_tokens is not None else self.shared_embed
         if emb is None:
             raise RuntimeError("Eagle3Drafter has no embedding: the checkpoint has no "
                                "embed_tokens.weight; call share_embedding(target.embed_tokens)")
-        return emb(ids)
+        return emb
 
     def set_vocab(self, target_ids: Tensor) -> None:
         """Draft vocabulary = ``target_ids [draft_vocab_size]`` (distinct target token ids)."""
@@ -403,18 +436,30 @@ class Eagle3Drafter(PairDrafter):
 
     def _states(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
                 step: CacheStep | StepKV | None) -> Tensor:
-        embeds = self.embed(input_ids).to(hidden.dtype)  # [B, T, H]
+        parts = self.parts(step)
+        embeds = parts.embed(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = step_rope(self, positions, hidden.dtype, step)
-        h = self.layers[0](embeds, hidden, cos, sin, mask, step)  # [B, T, H]
-        for layer in self.layers[1:]:  # plain Llama layers over h (vLLM's layer_idx > 0)
+        h = parts.layers[0](embeds, hidden, cos, sin, mask, step)  # [B, T, H]
+        for layer in parts.layers[1:]:  # plain Llama layers over h (vLLM's layer_idx > 0)
             h = layer(h, cos, sin, mask, step)  # [B, T, H]
         return h
 
-    def _logits(self, h: Tensor) -> Tensor:
-        return self.lm_head(self.norm(h))  # [..., Vd]
+    def _logits(self, h: Tensor, step=None) -> Tensor:
+        parts = self.parts(step)
+        return parts.lm_head(parts.norm(h))  # [..., Vd]
 
-    def _feedback(self, h: Tensor) -> Tensor:
-        return self.norm(h) if self.config.norm_output else h
+    def _feedback(self, h: Tensor, step=None) -> Tensor:
+        return self.parts(step).norm(h) if self.config.norm_output else h
+
+    def parts(self, step) -> HeadParts:
+        """The modules, or for a cached forward without gradients their bundles, built once
+        (:func:`~infer.models.snapshot.snapshot_of`; the shared embedding is watched too)."""
+        if not uses_snapshot(step):
+            return HeadParts(self.embed, self.layers, self.norm, self.lm_head)
+        emb = self._embedding()
+        return snapshot_of(self, lambda: HeadParts(
+            Embed(emb.weight), tuple(layer.weights() for layer in self.layers),
+            self.norm.weights(), proj_of(self.lm_head)), step, shared=[emb])
 
     # ---- checkpoint --------------------------------------------------------------------------
 

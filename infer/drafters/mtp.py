@@ -110,10 +110,10 @@ class MTPDrafter(PairDrafter):
         cos, sin = step_rope(self, positions, embeds.dtype, step)
         return self.mtp_layers[0].predict(embeds, hidden, cos, sin, mask, step)  # [B, T, H]
 
-    def _logits(self, o: Tensor) -> Tensor:
+    def _logits(self, o: Tensor, step=None) -> Tensor:
         return self.lm_head(o.to(self.lm_head.weight.dtype))  # [..., V]
 
-    def _feedback(self, o: Tensor) -> Tensor:
+    def _feedback(self, o: Tensor, step=None) -> Tensor:
         return o
 
     # ---- the target's checkpoint ---------------------------------------------------------------

@@ -41,6 +41,15 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 #: faster kernel below this size (module doc)
 PACK_MIN_ELEMENTS = 1 << 18
 
+_epoch = [0]  # bumped by every fusing and packing (layout_epoch)
+
+
+def layout_epoch() -> int:
+    """A counter that every change of layout (a :class:`FusedLinear` made, a weight packed)
+    increments: what a model's weight snapshot (:mod:`infer.models.snapshot`) checks, since a
+    packing changes no parameter."""
+    return _epoch[0]
+
 
 class PackedWeight:
     """oneDNN's blocked copy of a CPU weight ``[out, in]``, valid while the weight is unchanged."""
@@ -150,6 +159,7 @@ class FusedLinear:
                 lin.bias = nn.Parameter(b, requires_grad=lin.bias.requires_grad)
         self._ptrs = [p.data_ptr() for p in self._params()]  # where the row blocks live
         self.packed: PackedWeight | None = None
+        _epoch[0] += 1
 
     def _params(self) -> list[Tensor]:
         weights = [lin.weight for lin in self.linears]
@@ -194,6 +204,7 @@ def pack_for_cpu_(module: nn.Module, repack: bool = False,
             return False
         return repack or packed is None or not packed.describes(weight)
 
+    _epoch[0] += 1
     fused = [v for sub in module.modules() for v in vars(sub).values()
              if isinstance(v, FusedLinear)]
     parts = {id(lin) for f in fused for lin in f.linears}

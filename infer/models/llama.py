@@ -20,19 +20,21 @@ Outputs (``ModelOutput``) and the hidden-state index semantics of ``aux_layer_id
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
-from infer.models.attention import attend, cache_mask, group_mask, position_mask, tree_mask
-from infer.models.groups import (ForwardGroup, flat_logits_at, flat_tokens, plan_groups,
-                                 split_groups)
+from infer.models.attention import cache_mask, group_mask, position_mask, tree_mask
+from infer.models.functional import (AttentionWeights, Embed, LayerWeights, MLPWeights, Norm,
+                                     Proj, attention, decoder_layer, mlp, rms_norm)
+from infer.models.groups import (ForwardGroup, GroupedStep, flat_logits_at, flat_tokens,
+                                 plan_groups, split_groups)
 from infer.models.layout import FusedLinear, pack_for_cpu_
 from infer.models.output import ModelOutput
-from infer.models.rope import RopeConfig, apply_rope, rope_frequencies, step_rope
+from infer.models.rope import RopeConfig, rope_frequencies, step_rope
+from infer.models.snapshot import snapshot_of, uses_snapshot
 
 if TYPE_CHECKING:
     from infer.draft_tree import SiblingTree
@@ -71,10 +73,22 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
 
 
-_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
-
-
 # ---- modules -----------------------------------------------------------------------------------
+# Each runs the math of infer/models/functional.py over itself; ``weights()`` is its bundle, what
+# a model's cached forwards run instead (built once: infer/models/snapshot.py).
+
+def proj_of(lin: nn.Linear) -> Proj:
+    """The :class:`Proj` of a linear (with its packed weight when it has one)."""
+    return Proj(lin.weight, lin.bias, getattr(lin, "_packed", None))
+
+
+def fused_proj(fused: FusedLinear | None) -> Proj | None:
+    """The :class:`Proj` of a fused projection while it is active, else None (the separate
+    linears run: replaced parameters, or a gradient to record)."""
+    if fused is None or not fused.active():
+        return None
+    return Proj(fused.weight, fused.bias, fused.packed)
+
 
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32, cast back before the weight (Hugging Face's order)."""
@@ -84,17 +98,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def weights(self) -> Norm:
+        return Norm(self.weight, self.eps)
+
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and _HAS_RMS_NORM:
-            # the same math in one fused op (no up/down cast to mirror in fp32)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE; writes to / reads from the KV cache when given one."""
+    """Grouped-query attention with RoPE; writes to / reads from the KV cache when given one
+    (the math: :class:`~infer.models.functional.AttentionWeights`)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -118,9 +131,18 @@ class Attention(nn.Module):
         if FusedLinear.can_fuse(lins):
             self._qkv = FusedLinear(lins)
 
-    def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def weights(self) -> AttentionWeights:
+        return AttentionWeights(
+            self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+            proj_of(self.q_proj), proj_of(self.k_proj), proj_of(self.v_proj),
+            proj_of(self.o_proj), fused_proj(self._qkv),
+            None if self.q_norm is None else self.q_norm.weights(),
+            None if self.k_norm is None else self.k_norm.weights())
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``([B, T, q_dim + kv_dim], v [B, T, kv_dim])``: q and k side by side (one tensor, so
-        RoPE can rotate both at once), then v."""
+        RoPE can rotate both at once), then v; the fused weight while it is active, else the
+        three linears, each called (their hooks run)."""
         q_dim, kv_dim = self.q_proj.out_features, self.k_proj.out_features
         if self._qkv is not None and self._qkv.active():
             qk, v = self._qkv(x).split([q_dim + kv_dim, kv_dim], dim=-1)
@@ -129,31 +151,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 step: CacheStep | None = None) -> Tensor:
-        """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` None: causal over ``x`` alone, or, for one
-        query (``T == 1``), every key (a cached decode step of one row attends its whole cache
-        and needs no mask: see :func:`cache_mask`). ``step``: a cache step, or training-time-test
-        keys; keys that know their own structure (``attend``, e.g. ``TTTKeys``) compute the
-        attention themselves and ``mask`` is unused."""
-        b, t, _ = x.shape
-        causal = mask is None and t > 1
-        qk, v = self._project_qkv(x)  # [B, T, (heads + kv_heads) * hd], [B, T, kv_heads * hd]
-        qk = qk.view(b, t, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, hd]
-        if self.q_norm is None:  # rotate q and k together: one RoPE instead of two
-            qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, heads + kv_heads, T, hd]
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)  # [B, T, heads, hd], ...
-            q, k = self.q_norm(q), self.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step is not None and hasattr(step, "attend"):  # TTT keys with a known structure
-            out = step.attend(self.layer_idx, q, k, v)  # [B, heads, T, hd]
-        else:
-            if step is not None:
-                k, v = step.update(self.layer_idx, k, v)  # [B, kv_heads, S, hd]
-            out = attend(q, k, v, mask, causal)  # [B, heads, T, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
+        """``x [B, T, H]`` -> ``[B, T, H]`` (:func:`~infer.models.functional.attention`)."""
+        return attention(self, x, cos, sin, mask, step)
 
 
 class MLP(nn.Module):
@@ -172,15 +171,22 @@ class MLP(nn.Module):
         if FusedLinear.can_fuse([self.gate_proj, self.up_proj]):
             self._gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
-    def forward(self, x: Tensor) -> Tensor:
+    def weights(self) -> MLPWeights:
+        return MLPWeights(proj_of(self.gate_proj), proj_of(self.up_proj),
+                          proj_of(self.down_proj), fused_proj(self._gate_up))
+
+    def project_gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self._gate_up is not None and self._gate_up.active():
             gate, up = self._gate_up(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return gate, up
+        return self.gate_proj(x), self.up_proj(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return mlp(self, x)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (:func:`decoder_layer`)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -189,10 +195,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def weights(self) -> LayerWeights:
+        return LayerWeights(self.input_layernorm.weights(), self.self_attn.weights(),
+                            self.post_attention_layernorm.weights(), self.mlp.weights())
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 step: CacheStep | None = None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return decoder_layer(self, x, cos, sin, mask, step)
+
+
+class LlamaParts(NamedTuple):
+    """What :meth:`Llama._run` calls: the modules themselves (training forwards) or their
+    bundles (cached forwards; :mod:`infer.models.snapshot`)."""
+
+    embed: Callable[[Tensor], Tensor]
+    layers: Sequence[Callable[..., Tensor]]
+    norm: Callable[[Tensor], Tensor]
+    lm_head: Callable[[Tensor], Tensor]
 
 
 class Llama(nn.Module):
@@ -314,18 +333,28 @@ class Llama(nn.Module):
         aux_ids = self._check_aux_ids(aux_layer_ids)
         masks = self._group_masks(masks, input_ids.device)
         keep = set(aux_ids)
-        h = self.embed_tokens(input_ids)  # [B, T, H]
+        parts = self.parts(step)
+        h = parts.embed(input_ids)  # [B, T, H]
         cos, sin = step_rope(self, positions, h.dtype, step)
         saved = {0: h} if 0 in keep else {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(parts.layers):
             h = layer(h, cos, sin, masks[i], step)
             if i + 1 in keep:
                 saved[i + 1] = h
-        hidden = self.norm(h)  # [B, T, H]
+        hidden = parts.norm(h)  # [B, T, H]
         picked = hidden
         if logits_at is not None:  # [B, K] -> hidden rows [B, K, H]
             picked = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
-        return ModelOutput(self.lm_head(picked), hidden, tuple(saved[k] for k in aux_ids))
+        return ModelOutput(parts.lm_head(picked), hidden, tuple(saved[k] for k in aux_ids))
+
+    def parts(self, step: CacheStep | GroupedStep | None) -> LlamaParts:
+        """The modules, or for a cached forward without gradients their bundles, built once
+        (:func:`~infer.models.snapshot.snapshot_of`)."""
+        if not uses_snapshot(step):
+            return LlamaParts(self.embed_tokens, self.layers, self.norm, self.lm_head)
+        return snapshot_of(self, lambda: LlamaParts(
+            Embed(self.embed_tokens.weight), tuple(layer.weights() for layer in self.layers),
+            self.norm.weights(), proj_of(self.lm_head)), step)
 
     def _group_masks(self, masks: list, device: torch.device) -> list:
         """On CUDA with grouped-query heads, each distinct mask in :func:`group_mask`'s layout,

@@ -230,6 +230,37 @@ def test_one_row_steps_in_the_inference_layout_equal_full_sequence():
     assert torch.allclose(torch.cat([s[1] for s in steps], 1), full_hidden, atol=1e-4, rtol=1e-4)
 
 
+def _one_pair_steps(d, ids, g, *, modules=False):
+    """Cached one-pair steps of one row: bundles with gradients off, the modules with them on
+    (nothing to record: the head is frozen)."""
+    cache = KVCache.for_model(d.layer_config, 1, 16)
+    with torch.set_grad_enabled(modules):
+        steps = [d(ids[:, t:t + 1], g[:, t:t + 1], cache) for t in range(ids.shape[1])]
+    return torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1)
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_cached_steps_run_bundles_equal_to_the_modules_and_see_a_new_shared_embedding(
+        norm_output):
+    d = make_drafter(with_embedding=False, draft_hidden=48, norm_output=norm_output)
+    d.requires_grad_(False)
+    target = Llama(TARGET).requires_grad_(False)
+    d.share_embedding(target.embed_tokens)
+    inference_layout(d)
+    ids, aux = inputs(b=1, t=6)
+    with torch.no_grad():
+        g = d.prepare(aux)
+    want = _one_pair_steps(d, ids, g, modules=True)
+    got = _one_pair_steps(d, ids, g)
+    assert "_weight_snapshot" in d.__dict__
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    target.load_state_dict({"embed_tokens.weight": torch.randn(64, 48)}, strict=False,
+                           assign=True)  # the shared table replaced under the head
+    want = _one_pair_steps(d, ids, g, modules=True)
+    assert not torch.equal(want[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(_one_pair_steps(d, ids, g), want))
+
+
 def test_norm_output_feeds_back_the_normed_state():
     plain, normed = make_drafter(), make_drafter(norm_output=True)  # same seed: same weights
     ids, aux = inputs()
