@@ -253,12 +253,14 @@ def as_bool_mask(mask: Tensor | None) -> Tensor | None:
 
 class HeadParts(NamedTuple):
     """What a head's forwards call: its modules (training) or their bundles (cached forwards,
-    built once: :mod:`infer.models.snapshot`)."""
+    built once: :mod:`infer.models.snapshot`). ``norm``: the final norm (EAGLE-3), ``fc``: the
+    input projection of the pair (EAGLE-1); None where the head has none."""
 
     embed: Callable[[Tensor], Tensor]
     layers: Sequence[Callable[..., Tensor]]
-    norm: Callable[[Tensor], Tensor]
+    norm: Callable[[Tensor], Tensor] | None
     lm_head: Callable[[Tensor], Tensor]
+    fc: Callable[[Tensor], Tensor] | None = None
 
 
 class PairDrafter(torch.nn.Module):

@@ -39,12 +39,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (PairDrafter, StepKV, hf_layer_config,
+from infer.drafters.common import (HeadParts, PairDrafter, StepKV, hf_layer_config,
                                    read_checkpoint, share_target_heads, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
-from infer.models.llama import DecoderLayer, ModelConfig
+from infer.models.functional import Embed
+from infer.models.llama import DecoderLayer, ModelConfig, proj_of
 from infer.models.rope import rope_frequencies, step_rope
+from infer.models.snapshot import snapshot_of, uses_snapshot
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.validation import config_error
 
@@ -148,15 +150,27 @@ class EagleDrafter(PairDrafter):
 
     def _states(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None,
                 step: CacheStep | StepKV | None) -> Tensor:
-        self._need_target()
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
-        x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [B, T, H]
+        parts = self.parts(step)
+        embeds = parts.embed(input_ids).to(hidden.dtype)  # [B, T, H]
+        x = parts.fc(torch.cat([embeds, hidden], dim=-1))  # [B, T, H]
         cos, sin = step_rope(self, positions, x.dtype, step)
-        return self.layers[0](x, cos, sin, mask, step)  # [B, T, H]
+        return parts.layers[0](x, cos, sin, mask, step)  # [B, T, H]
 
     def _logits(self, h: Tensor, step=None) -> Tensor:
+        lm_head = self.parts(step).lm_head
         # the shared head may be in the target's dtype while a trained head is fp32
-        return self.lm_head(h.to(self.lm_head.weight.dtype))  # [..., V]
+        return lm_head(h.to(lm_head.weight.dtype))  # [..., V]
+
+    def parts(self, step) -> HeadParts:
+        """The modules, or for a cached forward without gradients their bundles, built once
+        (:func:`~infer.models.snapshot.snapshot_of`; the target's shared modules watched too)."""
+        self._need_target()
+        if not uses_snapshot(step):
+            return HeadParts(self.embed_tokens, self.layers, None, self.lm_head, self.fc)
+        return snapshot_of(self, lambda: HeadParts(
+            Embed(self.embed_tokens.weight), (self.layers[0].weights(),), None,
+            proj_of(self.lm_head), proj_of(self.fc)), step,
+            shared=[self.embed_tokens, self.lm_head])
 
     def _feedback(self, h: Tensor, step=None) -> Tensor:
         return h

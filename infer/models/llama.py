@@ -90,6 +90,11 @@ def fused_proj(fused: FusedLinear | None) -> Proj | None:
     return Proj(fused.weight, fused.bias, fused.packed)
 
 
+def norm_weights(norm: nn.Module) -> Callable[[Tensor], Tensor]:
+    """An :class:`RMSNorm`'s bundle; any other module as is (EAGLE-1's ``nn.Identity``)."""
+    return norm.weights() if isinstance(norm, RMSNorm) else norm
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32, cast back before the weight (Hugging Face's order)."""
 
@@ -196,8 +201,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def weights(self) -> LayerWeights:
-        return LayerWeights(self.input_layernorm.weights(), self.self_attn.weights(),
-                            self.post_attention_layernorm.weights(), self.mlp.weights())
+        return LayerWeights(norm_weights(self.input_layernorm), self.self_attn.weights(),
+                            norm_weights(self.post_attention_layernorm), self.mlp.weights())
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 step: CacheStep | None = None) -> Tensor:

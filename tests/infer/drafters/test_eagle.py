@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from infer.drafters.common import StepKV
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.kv_cache import KVCache
-from infer.models.llama import Llama, ModelConfig
+from infer.models.llama import Llama, ModelConfig, inference_layout
 
 TARGET = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=8, intermediate_size=48)
@@ -143,3 +143,27 @@ def test_cached_forward_equals_full_sequence(target):
     assert torch.allclose(rest0[1], full_hidden[:1, 5:], **close)
     assert torch.allclose(torch.cat([s[0] for s in steps1], 1), full_logits[1:, 3:], **close)
     assert torch.allclose(torch.cat([a, b], 1), full_logits, **close)
+
+
+def _one_pair_steps(head, ids, hidden, *, modules=False):
+    """Cached one-pair steps of one row: bundles with gradients off, the modules with them on
+    (nothing to record: everything is frozen)."""
+    cache = KVCache.for_model(head.layer_config, 1, 16)
+    with torch.set_grad_enabled(modules):
+        steps = [head(ids[:, t:t + 1], hidden[:, t:t + 1], cache) for t in range(ids.shape[1])]
+    return torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1)
+
+
+def test_cached_steps_run_bundles_equal_to_the_modules_and_see_a_new_shared_lm_head():
+    torch.manual_seed(0)
+    target = Llama(TARGET).requires_grad_(False).eval()
+    head = inference_layout(make_head(target, fc_bias=True).requires_grad_(False))
+    ids, hidden = inputs(b=1, t=6)
+    want = _one_pair_steps(head, ids, hidden, modules=True)
+    got = _one_pair_steps(head, ids, hidden)
+    assert "_weight_snapshot" in head.__dict__
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    target.lm_head.weight = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+    want = _one_pair_steps(head, ids, hidden, modules=True)
+    assert not torch.equal(want[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(_one_pair_steps(head, ids, hidden), want))
