@@ -268,9 +268,10 @@ class PairDrafter(torch.nn.Module):
     [B, T])``. Subclasses implement ``_states(input_ids, hidden, positions, mask, step) -> h
     [B, T, H]`` (the layers), ``_logits(h, step) -> [..., V]`` and ``_feedback(h, step)`` (the
     state the next step takes; ``step`` as ``_states`` got it); this class gives all heads the
-    same cached (inference) and full-sequence (training) entry points. The split lets training apply the LM head only where a loss is
-    taken (``forward_train(select=)``): with the whole vocabulary, the ``[B, T, V]`` logits and
-    their softmax were most of an EAGLE-3 training step."""
+    same cached (inference) and full-sequence (training) entry points. The split lets training
+    apply the LM head only where a loss is taken (``forward_train(select=)``): with the whole
+    vocabulary, the ``[B, T, V]`` logits and their softmax were most of an EAGLE-3 training
+    step."""
 
     def init_shared_heads(self) -> None:
         """Slots for the target's embedding and LM head (shared by ``attach_target``, never

@@ -51,8 +51,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (HeadParts, PairDrafter, StepKV, d2t_from_ids, draft_to_target_ids,
-                                   draft_to_target_probs, hf_layer_config,
+from infer.drafters.common import (HeadParts, PairDrafter, StepKV, d2t_from_ids,
+                                   draft_to_target_ids, draft_to_target_probs, hf_layer_config,
                                    read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
@@ -295,7 +295,8 @@ class Eagle3Config:
 
 def eagle3_layer(layer, embeds: Tensor, g: Tensor, cos: Tensor, sin: Tensor,
                  mask: Tensor | None, step=None) -> Tensor:
-    """Layer 0 (an :class:`Eagle3Layer` or its bundle): ``embeds, g [B, T, H]`` -> ``[B, T, H]``."""
+    """Layer 0 (an :class:`Eagle3Layer` or its bundle): ``embeds, g [B, T, H]`` ->
+    ``[B, T, H]``."""
     normed = layer.hidden_norm(g)
     residual = normed if layer.norm_before_residual else g
     x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]

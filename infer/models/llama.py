@@ -112,7 +112,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE; writes to / reads from the KV cache when given one
-    (the math: :class:`~infer.models.functional.AttentionWeights`)."""
+    (the math: :func:`~infer.models.functional.attention`)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()

@@ -15,8 +15,10 @@ model, and rebuilds it if not, so nothing a user does to the weights is ever mis
 - a change of layout (fusing, packing) bumps :func:`infer.models.layout.layout_epoch`.
 
 Only cached forwards (a step that writes a KV cache) with gradients off use a snapshot. Training
-forwards run the modules (hooks on them, e.g. FSDP's per-layer unsharding, must run, and a
-gradient needs the parameters as they are); those build their bundles per call.
+forwards run the modules: hooks on them must run (FSDP unshards a layer in one, DeepSpeed ZeRO-3
+gathers a linear's weight in one), and a gradient needs the parameters as they are. The other
+side of the same coin: a forward hook on a submodule (a layer, a linear) does not run in a cached
+forward; one on the model itself does.
 """
 
 from __future__ import annotations
