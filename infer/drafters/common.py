@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -249,18 +249,6 @@ def as_bool_mask(mask: Tensor | None) -> Tensor | None:
     if mask.dtype != torch.bool:
         raise ValueError(f"attention_mask must be bool (True = attend), got {mask.dtype}")
     return mask[:, None] if mask.dim() == 3 else mask
-
-
-class HeadParts(NamedTuple):
-    """What a head's forwards call: its modules (training) or their bundles (cached forwards,
-    built once: :mod:`infer.models.snapshot`). ``norm``: the final norm (EAGLE-3), ``fc``: the
-    input projection of the pair (EAGLE-1); None where the head has none."""
-
-    embed: Callable[[Tensor], Tensor]
-    layers: Sequence[Callable[..., Tensor]]
-    norm: Callable[[Tensor], Tensor] | None
-    lm_head: Callable[[Tensor], Tensor]
-    fc: Callable[[Tensor], Tensor] | None = None
 
 
 class PairDrafter(torch.nn.Module):

@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (HeadParts, PairDrafter, StepKV, hf_layer_config,
+from infer.drafters.common import (PairDrafter, StepKV, hf_layer_config,
                                    read_checkpoint, share_target_heads, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
-from infer.models.functional import Embed
+from infer.models.functional import Embed, ModelParts
 from infer.models.llama import DecoderLayer, ModelConfig, proj_of
 from infer.models.rope import rope_frequencies, step_rope
 from infer.models.snapshot import snapshot_of, uses_snapshot
@@ -161,13 +161,13 @@ class EagleDrafter(PairDrafter):
         # the shared head may be in the target's dtype while a trained head is fp32
         return lm_head(h.to(lm_head.weight.dtype))  # [..., V]
 
-    def parts(self, step) -> HeadParts:
+    def parts(self, step) -> ModelParts:
         """The modules, or for a cached forward without gradients their bundles, built once
         (:func:`~infer.models.snapshot.snapshot_of`; the target's shared modules watched too)."""
         self._need_target()
         if not uses_snapshot(step):
-            return HeadParts(self.embed_tokens, self.layers, None, self.lm_head, self.fc)
-        return snapshot_of(self, lambda: HeadParts(
+            return ModelParts(self.embed_tokens, self.layers, None, self.lm_head, self.fc)
+        return snapshot_of(self, lambda: ModelParts(
             Embed(self.embed_tokens.weight), (self.layers[0].weights(),), None,
             proj_of(self.lm_head), proj_of(self.fc)), step,
             shared=[self.embed_tokens, self.lm_head])

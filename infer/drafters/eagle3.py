@@ -51,12 +51,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from infer.drafters.common import (HeadParts, PairDrafter, StepKV, d2t_from_ids,
+from infer.drafters.common import (PairDrafter, StepKV, d2t_from_ids,
                                    draft_to_target_ids, draft_to_target_probs, hf_layer_config,
                                    read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
 from infer.kv_cache import CacheStep
-from infer.models.functional import AttentionWeights, Embed, MLPWeights, Norm
+from infer.models.functional import AttentionWeights, Embed, MLPWeights, ModelParts, Norm
 from infer.models.llama import MLP, Attention, DecoderLayer, ModelConfig, RMSNorm, proj_of
 from infer.models.rope import rope_frequencies, step_rope
 from infer.models.snapshot import snapshot_of, uses_snapshot
@@ -452,13 +452,13 @@ class Eagle3Drafter(PairDrafter):
     def _feedback(self, h: Tensor, step=None) -> Tensor:
         return self.parts(step).norm(h) if self.config.norm_output else h
 
-    def parts(self, step) -> HeadParts:
+    def parts(self, step) -> ModelParts:
         """The modules, or for a cached forward without gradients their bundles, built once
         (:func:`~infer.models.snapshot.snapshot_of`; the shared embedding is watched too)."""
         if not uses_snapshot(step):
-            return HeadParts(self.embed, self.layers, self.norm, self.lm_head)
+            return ModelParts(self.embed, self.layers, self.norm, self.lm_head)
         emb = self._embedding()
-        return snapshot_of(self, lambda: HeadParts(
+        return snapshot_of(self, lambda: ModelParts(
             Embed(emb.weight), tuple(layer.weights() for layer in self.layers),
             self.norm.weights(), proj_of(self.lm_head)), step, shared=[emb])
 

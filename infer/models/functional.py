@@ -18,7 +18,7 @@ implementation, so the two paths are the same arithmetic in the same order, bit 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -216,3 +216,15 @@ class LayerWeights:
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                  step: CacheStep | None = None) -> Tensor:
         return decoder_layer(self, x, cos, sin, mask, step)
+
+
+class ModelParts(NamedTuple):
+    """What a model's forward calls: its modules (training forwards) or their bundles (cached
+    forwards, built once: :mod:`infer.models.snapshot`). ``norm``: the final norm (None: EAGLE-1
+    has none); ``fc``: a head's input projection of the pair (EAGLE-1), else None."""
+
+    embed: Callable[[Tensor], Tensor]
+    layers: Sequence[Callable[..., Tensor]]
+    norm: Callable[[Tensor], Tensor] | None
+    lm_head: Callable[[Tensor], Tensor]
+    fc: Callable[[Tensor], Tensor] | None = None

@@ -20,15 +20,16 @@ Outputs (``ModelOutput``) and the hidden-state index semantics of ``aux_layer_id
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
 from infer.models.attention import cache_mask, group_mask, position_mask, tree_mask
-from infer.models.functional import (AttentionWeights, Embed, LayerWeights, MLPWeights, Norm,
-                                     Proj, attention, decoder_layer, mlp, rms_norm)
+from infer.models.functional import (AttentionWeights, Embed, LayerWeights, MLPWeights,
+                                     ModelParts, Norm, Proj, attention, decoder_layer, mlp,
+                                     rms_norm)
 from infer.models.groups import (ForwardGroup, GroupedStep, flat_logits_at, flat_tokens,
                                  plan_groups, split_groups)
 from infer.models.layout import FusedLinear, pack_for_cpu_
@@ -209,16 +210,6 @@ class DecoderLayer(nn.Module):
         return decoder_layer(self, x, cos, sin, mask, step)
 
 
-class LlamaParts(NamedTuple):
-    """What :meth:`Llama._run` calls: the modules themselves (training forwards) or their
-    bundles (cached forwards; :mod:`infer.models.snapshot`)."""
-
-    embed: Callable[[Tensor], Tensor]
-    layers: Sequence[Callable[..., Tensor]]
-    norm: Callable[[Tensor], Tensor]
-    lm_head: Callable[[Tensor], Tensor]
-
-
 class Llama(nn.Module):
     """The Llama-family causal LM (see the module doc for the supported variants)."""
 
@@ -352,12 +343,12 @@ class Llama(nn.Module):
             picked = hidden.gather(1, logits_at[..., None].expand(-1, -1, hidden.shape[-1]))
         return ModelOutput(parts.lm_head(picked), hidden, tuple(saved[k] for k in aux_ids))
 
-    def parts(self, step: CacheStep | GroupedStep | None) -> LlamaParts:
+    def parts(self, step: CacheStep | GroupedStep | None) -> ModelParts:
         """The modules, or for a cached forward without gradients their bundles, built once
         (:func:`~infer.models.snapshot.snapshot_of`)."""
         if not uses_snapshot(step):
-            return LlamaParts(self.embed_tokens, self.layers, self.norm, self.lm_head)
-        return snapshot_of(self, lambda: LlamaParts(
+            return ModelParts(self.embed_tokens, self.layers, self.norm, self.lm_head)
+        return snapshot_of(self, lambda: ModelParts(
             Embed(self.embed_tokens.weight), tuple(layer.weights() for layer in self.layers),
             self.norm.weights(), proj_of(self.lm_head)), step)
 
