@@ -51,9 +51,11 @@ from torch import Tensor, nn
 from infer.drafters.common import (d2t_from_ids, draft_to_target_ids, draft_to_target_probs,
                                    hf_layer_config, read_checkpoint, share, write_checkpoint)
 from infer.files import check_tensors
+from infer.models.functional import Embed, ModelParts
 from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.models.rope import apply_rope, rope_cos_sin, rope_frequencies, step_rope
+from infer.models.snapshot import snapshot_of, uses_snapshot
 from infer.validation import config_error
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -295,10 +297,13 @@ class DFlashDrafter(nn.Module):
         share(self, "shared_lm_head", lm_head)
 
     def embed(self, ids: Tensor) -> Tensor:
+        return self._embedding()(ids)
+
+    def _embedding(self) -> nn.Embedding:
         emb = self.embed_tokens if self.embed_tokens is not None else self.shared_embed
         if emb is None:
             raise RuntimeError("DFlashDrafter has no embedding: call share_target(...)")
-        return emb(ids)
+        return emb
 
     def logits(self, h: Tensor) -> Tensor:
         """``h [.., H]`` (after ``norm``) -> logits over the draft vocabulary ``[.., Vd]``."""
@@ -346,11 +351,23 @@ class DFlashDrafter(nn.Module):
         ``mask`` bool ``[B, 1, S, C + S]`` (True = attend) over the keys ``kv.update`` returns:
         the context's, then the block's own. ``kv``: :class:`ContextKV` or a ``CacheStep``.
         """
-        h = self.embed(ids).to(self.fc.weight.dtype)  # [B, S, H]
+        parts = self.parts(kv)
+        h = parts.embed(ids).to(self.fc.weight.dtype)  # [B, S, H]
         cos, sin = step_rope(self, positions, h.dtype, kv)
-        for layer in self.layers:
+        for layer in parts.layers:
             h = layer(h, cos, sin, mask, kv)
-        return self.norm(h)
+        return parts.norm(h)
+
+    def parts(self, step) -> ModelParts:
+        """The modules, or for a cached block forward without gradients their bundles, built
+        once (:func:`~infer.models.snapshot.snapshot_of`; a shared embedding watched too). The
+        LM head runs apart (:meth:`logits`)."""
+        if not uses_snapshot(step):
+            return ModelParts(self.embed, self.layers, self.norm, self.logits)
+        emb = self._embedding()
+        return snapshot_of(self, lambda: ModelParts(
+            Embed(emb.weight), tuple(layer.weights() for layer in self.layers),
+            self.norm.weights(), self.logits), step, shared=[emb])
 
     # ---- checkpoint --------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from infer.drafters.dflash import ContextKV, DFlashConfig, DFlashDrafter, default_aux_layer_ids
+from infer.kv_cache import KVCache
+from infer.models.llama import inference_layout
 from infer.models.loader import load_config, load_model
 from infer.spec_config import SpeculativeConfig
 
@@ -119,3 +121,23 @@ def test_mask_hidden_refused(target4, tmp_path):
     save_file(state, tmp_path / "m" / "model.safetensors")
     with pytest.raises(ValueError, match="mask_hidden"):
         DFlashDrafter.from_pretrained(tmp_path / "m")
+
+
+def test_a_cached_block_forward_runs_bundles_equal_to_the_modules(target4):
+    """How the proposer runs a block in the draft cache: bundles with gradients off (built once),
+    the modules with them on (nothing to record: the drafter is frozen); the same bits."""
+    drafter = inference_layout(random_drafter(target4).requires_grad_(False))
+    cache = KVCache.for_model(drafter.layer_config, 1, 16)
+    cache.lens[0] = 3  # three context positions (their keys: zeros here)
+    ids = torch.tensor([[7, 95, 95, 95, 95]])
+    mask = torch.ones(1, 1, 5, 8, dtype=torch.bool)
+
+    def block(grad: bool) -> torch.Tensor:
+        step = cache.plan(1, 5)
+        with torch.set_grad_enabled(grad):
+            return drafter.block_forward(ids, step.positions, mask, step)
+
+    want = block(True)
+    assert "_weight_snapshot" not in drafter.__dict__
+    got = block(False)
+    assert "_weight_snapshot" in drafter.__dict__ and torch.equal(got, want)
