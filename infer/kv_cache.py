@@ -47,6 +47,7 @@ class CacheStep:
     kv_len: int  # keys attended: cache indices 0 .. kv_len-1
     flat_index: Tensor  # [B * T * kv_heads] where each new (token, head) goes in a layer's rows
     exact: bool  # kv_len is max(lens + num_tokens) (read on the host), not a caller's fixed size
+    start: int | None = None  # one row's first position, known on the host (KVCache.plan)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this step's keys/values of ``layer`` and return every key/value it attends to.
@@ -80,7 +81,7 @@ class KVCache:
         self._row_head_base = ((torch.arange(max_batch, device=device)[:, None] * num_kv_heads
                                 + torch.arange(num_kv_heads, device=device))
                                * (max_len + 1))  # [rows, kv_heads]
-        self._aranges: dict[int, Tensor] = {}  # seq -> arange(seq) (see _offsets)
+        self._small: dict[tuple[str, int], Tensor] = {}  # per-length tensors made once (_made)
 
     @classmethod
     def for_model(cls, config, max_batch: int, max_len: int, *, dtype: torch.dtype | None = None,
@@ -110,18 +111,16 @@ class KVCache:
         ``depths [T]`` (a draft tree, infer/draft_tree.py): positions ``lens[b] + depths``
         instead; the tokens are still written to consecutive cache columns.
         """
+        if batch == 1 and slots is None and num_tokens is None and kv_len is None and depths is None:
+            return self._plan_row(seq)
         device = self.lens.device
         start = self.lens[:batch] if slots is None else self.lens[slots]  # [B]
         offsets = self._offsets(seq)  # [T]
         positions = start[:, None] + offsets  # [B, T] cache columns
         exact = kv_len is None
         if exact:  # host sync, once per forward
-            kv_len = (int(start.max()) + seq if num_tokens is None
-                      else int((start + num_tokens).max()))
-            if kv_len > self.max_len:
-                raise ValueError(f"KVCache overflow: a row needs {kv_len} positions but the cache "
-                                 f"holds max_len={self.max_len}")
-            kv_len = max(kv_len, 1)
+            kv_len = self._check_fits(int(start.max()) + seq if num_tokens is None
+                                      else int((start + num_tokens).max()))
         if num_tokens is None:
             num_tokens = torch.full((batch,), seq, dtype=torch.long, device=device)
             # no padding, and with an exact kv_len every position is < max_len (checked above):
@@ -136,6 +135,45 @@ class KVCache:
         return CacheStep(self, slots, positions, write_pos, num_tokens, kv_len, flat_index,
                          exact)
 
+    def _plan_row(self, seq: int) -> CacheStep:
+        """:meth:`plan` of ``seq`` tokens in row 0 alone, exact and unpadded (a batch-1 decode or
+        draft step): the one host read gives the row's start, so positions and write indices
+        are views and one add, not the general case's dozen tiny ops (a fifth of a one-layer
+        draft head's step went to planning, RoPE lookup and cache bookkeeping on a CPU)."""
+        start = int(self.lens[0])  # the host read an exact kv_len needs anyway
+        kv_len = self._check_fits(start + seq)
+        positions = self._offsets(self.max_len + 1)[start:start + seq][None]  # [1, T] a view
+        flat_index = (self._row_base_by_token(seq) + start).flatten()  # [T * kv_heads]
+        return CacheStep(self, None, positions, positions, self._counts(seq), kv_len, flat_index,
+                         exact=True, start=start)
+
+    def _check_fits(self, kv_len: int) -> int:
+        """``kv_len`` (at least 1), or a clear error when a row would outgrow the cache."""
+        if kv_len > self.max_len:
+            raise ValueError(f"KVCache overflow: a row needs {kv_len} positions but the cache "
+                             f"holds max_len={self.max_len}")
+        return max(kv_len, 1)
+
+    def _row_base_by_token(self, seq: int) -> Tensor:
+        """``[T, kv_heads]``: where token ``t`` of row 0 goes in a layer's vectors, less the
+        row's start."""
+        return self._made(("row base", seq),
+                          lambda: self._offsets(seq)[:, None] + self._row_head_base[0])
+
+    def _counts(self, seq: int) -> Tensor:
+        """``[1]`` holding ``seq``: a one-row step's ``num_tokens``."""
+        return self._made(("count", seq), lambda: torch.full((1,), seq, dtype=torch.long,
+                                                             device=self.lens.device))
+
+    def _made(self, key: tuple[str, int], make) -> Tensor:
+        """A small tensor made once per ``key`` and reused (never written to): a decode step's
+        planning is a dozen tiny ops, and each one saved is a few microseconds of a draft
+        head's step."""
+        made = self._small.get(key)
+        if made is None:
+            made = self._small[key] = make()
+        return made
+
     def _clip(self, positions: Tensor, real: Tensor | None = None) -> Tensor:
         """Cache columns ``[B, T]``: padding (``real`` False) and positions past ``max_len``
         (only reachable with a caller's fixed kv_len, which skips the overflow check) go to the
@@ -146,12 +184,8 @@ class KVCache:
         return positions.masked_fill(~valid, self.max_len)
 
     def _offsets(self, seq: int) -> Tensor:
-        """``arange(seq)`` on the cache's device, made once per length (a decode step's planning
-        is a dozen tiny ops; each one saved is a few microseconds of a draft head's step)."""
-        offsets = self._aranges.get(seq)
-        if offsets is None:
-            offsets = self._aranges[seq] = torch.arange(seq, device=self.lens.device)
-        return offsets
+        """``arange(seq)`` on the cache's device."""
+        return self._made(("arange", seq), lambda: torch.arange(seq, device=self.lens.device))
 
     def advance(self, step: CacheStep) -> None:
         """``lens[row] += num_tokens`` for the rows of ``step`` (in place, no sync)."""

@@ -132,6 +132,7 @@ class RopeTable:
         positions = torch.arange(size, device=inv_freq.device)[None]  # [1, P]
         cos, sin = rope_cos_sin(inv_freq, positions, scale, dtype)  # [1, 1, P, hd] each
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [P, hd]
+        self._cos4, self._sin4 = cos, sin  # [1, 1, P, hd]: the same storage
         self.inv_freq, self.scale = inv_freq, scale
 
     @property
@@ -151,6 +152,11 @@ class RopeTable:
         index = positions.clamp_max(self.size - 1)  # [B, T]
         return self.cos[index][:, None], self.sin[index][:, None]
 
+    def rows(self, start: int, seq: int) -> tuple[Tensor, Tensor]:
+        """Positions ``start .. start + seq - 1`` of one row (known on the host, in the table):
+        cos, signed sin ``[1, 1, T, hd]``, views instead of a gather."""
+        return self._cos4.narrow(2, start, seq), self._sin4.narrow(2, start, seq)
+
 
 def step_rope(owner, positions: Tensor, dtype: torch.dtype, step) -> tuple[Tensor, Tensor]:
     """cos / sin for a forward of ``owner`` (a module with ``inv_freq`` and ``rope_scale``):
@@ -164,6 +170,9 @@ def step_rope(owner, positions: Tensor, dtype: torch.dtype, step) -> tuple[Tenso
     if table is None or not table.serves(owner.inv_freq, owner.rope_scale, cache.capacity, dtype):
         table = RopeTable(owner.inv_freq, owner.rope_scale, cache.capacity, dtype)
         object.__setattr__(owner, "_rope_table", table)  # not a buffer: never saved or moved
+    start = getattr(step, "start", None)  # one row planned with a host-known start
+    if start is not None:
+        return table.rows(start, positions.shape[1])
     return table(positions)
 
 

@@ -104,3 +104,22 @@ def test_a_plan_without_padding_is_the_padded_plan_with_every_token_real():
             int(cache.lens[:batch].max() if slots is None else cache.lens[slots].max()) + 4, True)
     with pytest.raises(ValueError, match="overflow"):
         cache.plan(4, 5)  # row 3: 12 + 5 > 16
+
+
+def test_a_one_row_plan_from_its_host_known_start_is_the_general_plan():
+    """Row 0 alone, exact and unpadded (a batch-1 decode or draft step) is planned from the
+    row's start read on the host: the same positions, write indices and lengths as the general
+    path (here reached through explicit slots), the start recorded, and overflow refused."""
+    cache = KVCache(2, 3, 2, 16, 8)
+    cache.lens[:] = torch.tensor([5, 9, 2])
+    for seq in (1, 4):
+        fast = cache.plan(1, seq)
+        general = cache.plan(1, seq, torch.tensor([0]))
+        for name in ("positions", "write_pos", "num_tokens", "flat_index"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+        assert (fast.kv_len, fast.exact, fast.slots) == (5 + seq, True, None)
+        assert fast.start == 5 and general.start is None
+    cache.advance(cache.plan(1, 3))
+    assert cache.lens.tolist() == [8, 9, 2]
+    with pytest.raises(ValueError, match="overflow"):
+        cache.plan(1, 9)  # 8 + 9 > 16

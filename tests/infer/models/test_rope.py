@@ -72,3 +72,15 @@ def test_step_rope_looks_up_a_table_per_cache_and_computes_without_one():
     train_cos, _ = step_rope(owner, torch.tensor([[100]]), torch.float32, None)  # no cache
     assert torch.equal(train_cos, rope_cos_sin(owner.inv_freq, torch.tensor([[100]]), 1.0,
                                                torch.float32)[0])
+
+
+def test_a_rows_slice_of_the_table_is_its_lookup():
+    """A one-row step with a host-known start reads its cos / sin as a slice of the table: the
+    same values and shape as the gather by positions."""
+    inv_freq, _ = rope_frequencies(SimpleNamespace(rope=RopeConfig(), head_dim=16,
+                                                   max_position_embeddings=64))
+    table = RopeTable(inv_freq, 1.0, 40, torch.float32)
+    for start, seq in ((0, 1), (17, 1), (30, 6)):
+        positions = torch.arange(start, start + seq)[None]
+        for got, want in zip(table.rows(start, seq), table(positions)):
+            assert got.shape == want.shape == (1, 1, seq, 16) and torch.equal(got, want)
