@@ -111,7 +111,8 @@ class KVCache:
         ``depths [T]`` (a draft tree, infer/draft_tree.py): positions ``lens[b] + depths``
         instead; the tokens are still written to consecutive cache columns.
         """
-        if batch == 1 and slots is None and num_tokens is None and kv_len is None and depths is None:
+        one_row = batch == 1 and slots is None and num_tokens is None
+        if one_row and kv_len is None and depths is None:
             return self._plan_row(seq)
         device = self.lens.device
         start = self.lens[:batch] if slots is None else self.lens[slots]  # [B]
