@@ -164,7 +164,10 @@ class EagleChainProposer(Proposer):
         c = self.begin_step(batch, apart=False)
         slots, rows = c.slots, c.rows
         counts = torch.tensor(c.counts, device=self.ctx.device)  # [B]
-        logits, hidden = self.catch_up(c, c.ids, c.feats, counts, (counts - 1)[:, None])
+        # rows of equal counts (one row always) have no padding: no counts to plan with, so a
+        # batch-1 catch-up takes the cache's one-row plan
+        ragged = counts if min(c.counts) < c.ids.shape[1] else None
+        logits, hidden = self.catch_up(c, c.ids, c.feats, ragged, (counts - 1)[:, None])
         tokens, probs, sibs = [], [], []  # from logits [B, 1, V'], hidden [B, 1, H]
         tree = (self.siblings and len(batch.slots) <= self.tree_max_batch
                 and argmax_verify(batch.temperature, self.spec.rejection_sample_method))
@@ -180,10 +183,10 @@ class EagleChainProposer(Proposer):
         siblings = torch.cat(sibs, dim=1) if sibs else None  # [B, k, S]
         return Proposal(torch.cat(tokens, dim=1), draft_probs, siblings)  # [B, k]
 
-    def catch_up(self, c: CatchUp, ids: Tensor, feats: Tensor, num_tokens: Tensor,
+    def catch_up(self, c: CatchUp, ids: Tensor, feats: Tensor, num_tokens: Tensor | None,
                  logits_at: Tensor) -> tuple[Tensor, Tensor]:
         """The step's catch-up forward over ``ids [B, T]`` / ``feats [B, T, H]`` (``c``'s rows,
-        ``num_tokens [B]`` real), after ``c.backlogs`` in the same forward when there are any:
+        ``num_tokens [B]`` real, None: all ``T``), after ``c.backlogs`` in the same forward when there are any:
         ``(logits [B, K, V'], hidden [B, K, H])`` at ``logits_at [B, K]``."""
         group = ForwardGroup(ids, c.rows, num_tokens, logits_at, feats)
         return self.drafter.forward_groups(c.backlogs + [group], self.cache)[-1]
