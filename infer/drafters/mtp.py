@@ -26,7 +26,7 @@ embedding and LM head are the target's.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,9 +36,11 @@ from infer.drafters.common import PairDrafter, StepKV, share_target_heads
 from infer.errors import FileFormatError
 from infer.files import check_tensors, open_safetensors, read_json
 from infer.kv_cache import CacheStep
-from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm
+from infer.models.functional import Embed, LayerWeights, ModelParts, Norm, Proj
+from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm, proj_of
 from infer.models.loader import load_config, resolve_dtype, resolve_model_dir, weight_files
 from infer.models.rope import rope_frequencies, step_rope
+from infer.models.snapshot import snapshot_of, uses_snapshot
 
 PREFIX = "model.mtp_layers."
 NUM_LAYERS_KEY = "num_nextn_predict_layers"
@@ -47,6 +49,30 @@ NUM_LAYERS_KEY = "num_nextn_predict_layers"
 def num_mtp_layers(hf_config: dict) -> int:
     """MTP layers a target's config.json declares (0: none)."""
     return int(hf_config.get(NUM_LAYERS_KEY) or 0)
+
+
+def mtp_predict(layer: "MTPLayer | MTPLayerWeights", embeds: Tensor, hidden: Tensor,
+                cos: Tensor, sin: Tensor, mask: Tensor | None,
+                step: CacheStep | StepKV | None) -> Tensor:
+    """``embeds``, ``hidden`` ``[B, T, H]`` -> ``o [B, T, H]`` (module doc), for the module or
+    its bundle (the decoder layer is called as itself: the module's hooks run)."""
+    u = layer.input_proj(torch.cat([layer.hidden_layernorm(hidden),
+                                    layer.token_layernorm(embeds)], dim=-1))  # [B, T, H]
+    return layer.final_layernorm(layer(u, cos, sin, mask, step))
+
+
+@dataclass(frozen=True, slots=True)
+class MTPLayerWeights(LayerWeights):
+    """An MTP layer's bundle (:mod:`infer.models.functional`), member names as the module's."""
+
+    token_layernorm: Norm
+    hidden_layernorm: Norm
+    input_proj: Proj
+    final_layernorm: Norm
+
+    def predict(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+                mask: Tensor | None, step: CacheStep | StepKV | None) -> Tensor:
+        return mtp_predict(self, embeds, hidden, cos, sin, mask, step)
 
 
 class MTPLayer(DecoderLayer):
@@ -61,12 +87,17 @@ class MTPLayer(DecoderLayer):
         self.input_proj = nn.Linear(2 * h, h, bias=False)
         self.final_layernorm = RMSNorm(h, eps)
 
+    def weights(self) -> MTPLayerWeights:
+        base = super().weights()
+        return MTPLayerWeights(base.input_layernorm, base.self_attn, base.post_attention_layernorm,
+                               base.mlp, self.token_layernorm.weights(),
+                               self.hidden_layernorm.weights(), proj_of(self.input_proj),
+                               self.final_layernorm.weights())
+
     def predict(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
                 mask: Tensor | None, step: CacheStep | StepKV | None) -> Tensor:
         """``embeds``, ``hidden`` ``[B, T, H]`` -> ``o [B, T, H]`` (module doc)."""
-        u = self.input_proj(torch.cat([self.hidden_layernorm(hidden),
-                                       self.token_layernorm(embeds)], dim=-1))  # [B, T, H]
-        return self.final_layernorm(self(u, cos, sin, mask, step))
+        return mtp_predict(self, embeds, hidden, cos, sin, mask, step)
 
 
 class MTPDrafter(PairDrafter):
@@ -105,13 +136,25 @@ class MTPDrafter(PairDrafter):
         if self.embed_tokens is None or self.lm_head is None:
             raise RuntimeError("MTPDrafter shares the target's embedding and LM head; call "
                                "attach_target(target) first")
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
+        parts = self.parts(step)
+        embeds = parts.embed(input_ids).to(hidden.dtype)  # [B, T, H]
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)  # vLLM: no embedding at 0
         cos, sin = step_rope(self, positions, embeds.dtype, step)
-        return self.mtp_layers[0].predict(embeds, hidden, cos, sin, mask, step)  # [B, T, H]
+        return parts.layers[0].predict(embeds, hidden, cos, sin, mask, step)  # [B, T, H]
 
     def _logits(self, o: Tensor, step=None) -> Tensor:
-        return self.lm_head(o.to(self.lm_head.weight.dtype))  # [..., V]
+        lm_head = self.parts(step).lm_head
+        return lm_head(o.to(lm_head.weight.dtype))  # [..., V]
+
+    def parts(self, step) -> ModelParts:
+        """The modules, or for a cached forward without gradients their bundles, built once
+        (:func:`~infer.models.snapshot.snapshot_of`; the target's shared modules watched too).
+        Layer 0 drafts (module doc)."""
+        if not uses_snapshot(step):
+            return ModelParts(self.embed_tokens, self.mtp_layers, None, self.lm_head)
+        return snapshot_of(self, lambda: ModelParts(
+            Embed(self.embed_tokens.weight), (self.mtp_layers[0].weights(),), None,
+            proj_of(self.lm_head)), step, shared=[self.embed_tokens, self.lm_head])
 
     def _feedback(self, o: Tensor, step=None) -> Tensor:
         return o

@@ -241,3 +241,28 @@ def test_attach_target_checks_shapes(mimo, tmp_path):
     wrong = load_model(save_tiny_mimo(tmp_path / "h48", hidden=48, heads=4, seed=1))
     with pytest.raises(FileFormatError, match="hidden_size 32"):
         d.attach_target(wrong)
+
+
+def test_cached_steps_run_bundles_equal_to_the_modules(mimo):
+    """How the proposer runs the layer: with gradients off, bundles built once (the shared
+    embedding and LM head watched too); with them on, the modules (nothing to record); the same
+    bits, and a replaced LM head under the drafter is seen."""
+    drafter = MTPDrafter.from_target(mimo, dtype="float32")
+    drafter.attach_target(load_model(mimo, dtype="float32"))
+    ids, hidden = _inputs(5, b=1, t=6)
+
+    def steps(grad: bool):
+        cache = KVCache.for_model(drafter.layer_config, 1, 16)
+        with torch.set_grad_enabled(grad):
+            out = [drafter(ids[:, t:t + 1], hidden[:, t:t + 1], cache) for t in range(6)]
+        return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
+
+    want = steps(True)
+    got = steps(False)
+    assert "_weight_snapshot" in drafter.__dict__
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    drafter.lm_head.weight = torch.nn.Parameter(torch.randn_like(drafter.lm_head.weight),
+                                                requires_grad=False)
+    want = steps(True)
+    assert not torch.equal(want[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(steps(False), want))
