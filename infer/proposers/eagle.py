@@ -186,8 +186,8 @@ class EagleChainProposer(Proposer):
     def catch_up(self, c: CatchUp, ids: Tensor, feats: Tensor, num_tokens: Tensor | None,
                  logits_at: Tensor) -> tuple[Tensor, Tensor]:
         """The step's catch-up forward over ``ids [B, T]`` / ``feats [B, T, H]`` (``c``'s rows,
-        ``num_tokens [B]`` real, None: all ``T``), after ``c.backlogs`` in the same forward when there are any:
-        ``(logits [B, K, V'], hidden [B, K, H])`` at ``logits_at [B, K]``."""
+        ``num_tokens [B]`` real, None: all ``T``), after ``c.backlogs`` in the same forward when
+        there are any: ``(logits [B, K, V'], hidden [B, K, H])`` at ``logits_at [B, K]``."""
         group = ForwardGroup(ids, c.rows, num_tokens, logits_at, feats)
         return self.drafter.forward_groups(c.backlogs + [group], self.cache)[-1]
 
