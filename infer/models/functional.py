@@ -5,14 +5,15 @@ its arithmetic (``nn.Module.__call__``, an ``nn.Module.__getattr__`` per paramet
 submodule, the fused-projection checks): measured, 29 % of the 8-layer tiny target's one-token
 forward and about 45 % of a one-layer EAGLE-3 head's step (docs/benchmarks.md, twelfth and
 thirteenth sessions). So the math of a projection, a norm, attention, the MLP and a decoder
-layer lives here in functions (:func:`attention`, :func:`mlp`, :func:`decoder_layer`) over anything with the
-members of the module they stand for: the modules of :mod:`infer.models.llama` themselves, or
-frozen dataclasses of tensors with the same member names (:class:`AttentionWeights`,
-:class:`MLPWeights`, :class:`LayerWeights`, built of :class:`Proj`, :class:`Norm`). Training
-and any forward recording gradients run the modules, so each submodule is called and hooks on
-them run (DeepSpeed ZeRO-3 gathers a linear's weight in one, FSDP unshards a layer in one); a
-model's cached forwards run the bundles it built once (:mod:`infer.models.snapshot`). One
-implementation, so the two paths are the same arithmetic in the same order, bit for bit.
+layer lives here in functions (:func:`attention`, :func:`mlp`, :func:`decoder_layer`) over
+anything with the members of the module they stand for: the modules of
+:mod:`infer.models.llama` themselves, or frozen dataclasses of tensors with the same member
+names (:class:`AttentionWeights`, :class:`MLPWeights`, :class:`LayerWeights`, built of
+:class:`Proj`, :class:`Norm`). Training and any forward recording gradients run the modules, so
+each submodule is called and hooks on them run (DeepSpeed ZeRO-3 gathers a linear's weight in
+one, FSDP unshards a layer in one); a model's cached forwards run the bundles it built once
+(:mod:`infer.models.snapshot`). One implementation, so the two paths are the same arithmetic in
+the same order, bit for bit.
 """
 
 from __future__ import annotations
