@@ -46,7 +46,9 @@ class WeightSnapshot:
         # every parameter and child each module holds now: owner dicts, names, objects
         members = [(d, name, obj) for s in subs for d in (s._parameters, s._modules)
                    for name, obj in d.items()]
-        self._dicts, self._names, self._objects = (list(x) for x in zip(*members))
+        self._dicts = [d for d, _, _ in members]
+        self._names = [name for _, name, _ in members]
+        self._objects = [obj for _, _, obj in members]
         self._params = [p for s in subs for p in s._parameters.values() if p is not None]
         self._pointers = [p.data_ptr() for p in self._params]
 
