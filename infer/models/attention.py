@@ -38,13 +38,32 @@ def group_mask(mask: Tensor, rep: int) -> Tensor:
     return mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(b, 1, rep * t, s)
 
 
+# On the CPU, folding the query heads of a kv head into rows (grouped_attention) pays for a few
+# query rows per kv head and loses for one (a decode step) or many (a prefill): SDPA's CPU flash
+# kernel splits work by (batch, head, query block), and few rows in many heads is its slow case.
+# Measured (docs/benchmarks.md, fourteenth session): 2-4 queries of 2 query heads per kv head,
+# 60-1000 keys: 0.66-0.96 of the time at batch 1-8; 9 queries: 0.96-1.28; 1 query: ~1.3.
+CPU_GROUPED_MAX_ROWS = 16
+
+
+def grouped_pays(q_len: int, rep: int, on_cuda: bool) -> bool:
+    """Whether a masked attention of ``q_len`` queries with ``rep`` query heads per kv head runs
+    as :func:`grouped_attention`: always on CUDA (the memory-efficient kernel, where SDPA's own
+    GQA takes the math one), on the CPU for 2 .. ``CPU_GROUPED_MAX_ROWS / rep`` queries (verify
+    and catch-up steps; see above). Both :func:`attend` and ``Llama._group_masks`` ask it."""
+    if rep == 1:
+        return False
+    return on_cuda or 1 < q_len and rep * q_len <= CPU_GROUPED_MAX_ROWS
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
     """Scaled dot-product attention with grouped-query heads: ``q [B, heads, T, hd]``, ``k, v
-    [B, kv_heads, S, hd]``, bool ``mask [B, 1, T, S]`` (True = attend; on CUDA also already in
-    :func:`group_mask`'s layout) or None with ``causal`` -> ``[B, heads, T, hd]``."""
+    [B, kv_heads, S, hd]``, bool ``mask [B, 1, T, S]`` (True = attend; where
+    :func:`grouped_pays`, possibly already in :func:`group_mask`'s layout) or None with
+    ``causal`` -> ``[B, heads, T, hd]``."""
     rep = q.shape[1] // k.shape[1]
     t = q.shape[2]
-    if rep > 1 and mask is not None and q.is_cuda and mask.shape[1] == 1:
+    if mask is not None and mask.shape[1] == 1 and grouped_pays(t, rep, q.is_cuda):
         if mask.shape[-2] != rep * t:  # not grouped yet (Llama._run groups once per forward)
             mask = group_mask(mask, rep)
         return grouped_attention(q, k, v, mask)
@@ -63,7 +82,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, grouped_mask: Tensor) -> 
     ``q [B, heads, T, hd]``, ``k, v [B, kv_heads, S, hd]`` -> ``[B, heads, T, hd]``. Same math as
     SDPA's ``enable_gqa``, but on CUDA a mask with ``enable_gqa`` only runs in the math kernel
     (scores for every head, keys repeated per head), while this shape runs in the
-    memory-efficient kernel. (On CPU ``enable_gqa`` is faster.)
+    memory-efficient kernel. On the CPU it is faster for a few query rows (:func:`grouped_pays`).
     """
     b, h, t, d = q.shape
     grouped = q.reshape(b, k.shape[1], -1, d)  # head g * rep + r -> group g, row r * T + t

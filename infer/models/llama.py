@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from infer.kv_cache import CacheStep, KVCache
-from infer.models.attention import cache_mask, group_mask, position_mask, tree_mask
+from infer.models.attention import (cache_mask, group_mask, grouped_pays, position_mask,
+                                    tree_mask)
 from infer.models.functional import (AttentionWeights, Embed, LayerWeights, MLPWeights,
                                      ModelParts, Norm, Proj, attention, decoder_layer, mlp,
                                      rms_norm)
@@ -353,14 +354,15 @@ class Llama(nn.Module):
             self.norm.weights(), proj_of(self.lm_head)), step)
 
     def _group_masks(self, masks: list, device: torch.device) -> list:
-        """On CUDA with grouped-query heads, each distinct mask in :func:`group_mask`'s layout,
-        built once per forward (not once per layer), for :func:`grouped_attention`."""
+        """Where :func:`grouped_pays` (CUDA; a few queries on the CPU), each distinct mask in
+        :func:`group_mask`'s layout, built once per forward (not once per layer), for
+        :func:`grouped_attention`."""
         rep = self.config.num_heads // self.config.num_kv_heads
-        if rep == 1 or device.type != "cuda":
-            return masks
+        cuda = device.type == "cuda"
         grouped: dict[int, Tensor] = {}
         for m in masks:
-            if m is not None and m.shape[1] == 1 and id(m) not in grouped:
+            if (m is not None and m.shape[1] == 1 and id(m) not in grouped
+                    and grouped_pays(m.shape[-2], rep, cuda)):
                 grouped[id(m)] = group_mask(m, rep)
         return [grouped.get(id(m), m) if m is not None else None for m in masks]
 
