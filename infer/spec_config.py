@@ -123,6 +123,7 @@ _FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "suffix_decoding_min_token_prob": (check_float, {"low": 0.0, "high": 1.0}),
     "draft_tree_siblings": (check_int, {"minimum": 0}),
     "draft_tree_max_batch": (check_int, {"minimum": 1}),
+    "speculative_token_map": (_check_str, {"optional": True}),
 }
 
 
@@ -155,6 +156,9 @@ class SpeculativeConfig:
     # a step with more running requests keeps the chain: the tree's larger verify forward pays
     # where verify tokens are nearly free (on the CPU: batch <= 2; docs/benchmarks.md)
     draft_tree_max_batch: int = 2
+    # draftsmith's own (SGLang's key; vLLM has none): a JSON file {"token_ids": [...]}; an eagle3
+    # head drafting greedily computes logits over those of its draft tokens only (FR-Spec)
+    speculative_token_map: str | None = None
 
     def __post_init__(self) -> None:
         if self.method in MTP_ALIASES:
@@ -181,6 +185,7 @@ class SpeculativeConfig:
         self._check_parallel_drafting()
         self._check_tree()
         self._resolve_sampling()
+        self._resolve_token_map()
         self._check_rejection()
         if self.draft_tensor_parallel_size not in (None, 1):
             raise config_error("draft_tensor_parallel_size", self.draft_tensor_parallel_size,
@@ -281,6 +286,28 @@ class SpeculativeConfig:
             raise config_error("draft_tree_siblings", self.draft_tree_siblings,
                                f"0 for method {self.method!r}; sibling trees need a chain head: "
                                f"{', '.join(_TREE_METHODS)} without parallel_drafting", _WHERE)
+
+    def _resolve_token_map(self) -> None:
+        """``speculative_token_map``: an eagle3 head's (chain or parallel) only; a relative path
+        that is not there is looked up in the draft's directory (where draftsmith's export
+        writes ``speculative_token_map.json``). Sampled drafts ignore it: the p/q test needs
+        the head's whole distribution, whose rare tokens are what a sampled target draws."""
+        value = self.speculative_token_map
+        if value is None:
+            return
+        if self.method != "eagle3":
+            raise config_error("speculative_token_map", value, f"None for method "
+                               f"{self.method!r}; a token map restricts an eagle3 head's draft "
+                               "vocabulary", _WHERE)
+        path = Path(value)
+        local = Path(self.model) / value if self.model and not path.is_absolute() else None
+        if not path.is_file() and local is not None and local.is_file():
+            path = local
+        if not path.is_file():
+            raise MissingFileError(f"{_WHERE}: speculative_token_map {value!r} is not a file "
+                                   "(JSON {\"token_ids\": [...]}; a relative path is also "
+                                   f"looked up in the draft directory {self.model!r})")
+        self._set("speculative_token_map", str(path))
 
     def _resolve_sampling(self) -> None:
         """vLLM's two spellings, one meaning. Drafts are sampled from the drafter (and the p/q test

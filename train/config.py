@@ -186,6 +186,11 @@ class DrafterConfig:
     or mtp (the target's own MTP layer)."""
     draft_vocab_size: int = 1024
     """eagle3 / peagle / dflash: LM head over the most frequent training-target tokens."""
+    token_map_size: Optional[int] = None
+    """eagle3 / peagle: also export ``speculative_token_map.json``, the most frequent training-
+    target tokens of the draft vocabulary, this many, and serve greedy drafts over them only
+    (``speculative_token_map``; FR-Spec): a large draft vocabulary for sampled drafts at the
+    LM-head cost of a small one for greedy drafts. None: no map."""
     aux_layer_ids: Optional[List[int]] = None
     """eagle3 / peagle / dflash: target residual streams fed to the head (k = the stream after
     k layers; negative ids count from the end: -1 = n, the last layer's output); None: the
@@ -442,7 +447,7 @@ _SECTION_RULES = {
                    "vllm_python": _opt_str, "tensor_parallel_size": _pos},
     "features": {"mode": _choice(FeatureMode), "cache_dir": _opt_str,
                  "dtype": _choice(StorageDtype), "rows_per_shard": _pos, "batch_size": _pos},
-    "drafter": {"method": check_str, "draft_vocab_size": _pos,
+    "drafter": {"method": check_str, "draft_vocab_size": _pos, "token_map_size": _opt_pos,
                 "aux_layer_ids": partial(check_list, item=check_int, optional=True),
                 "num_layers": _pos, "intermediate_size": _opt_pos, "norm_before_residual": _flag,
                 "norm_output": _flag, "fc_norm": _flag, "norm_before_fc": _flag,

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from infer.atomic import atomic_dir, remove_leftovers
 from infer.errors import FileFormatError, MissingFileError
@@ -233,6 +233,49 @@ def draft_to_target_probs(q: Tensor, d2t: Tensor | None, vocab_size: int) -> Ten
         return q
     out = q.new_zeros(*q.shape[:-1], vocab_size)
     return out.index_copy_(-1, torch.arange(q.shape[-1], device=q.device) + d2t, q)
+
+
+def restrict_vocab(drafter: nn.Module, target_ids: Tensor) -> int:
+    """Keep only the draft tokens of ``drafter`` (an EAGLE-3 head: ``lm_head``, ``d2t``,
+    ``t2d``) among ``target_ids``, an inference-time vocabulary (``speculative_token_map``: the
+    frequent tokens, as FR-Spec / SGLang do). The LM head's rows, ``d2t`` and ``t2d`` shrink to
+    them, so every forward computes logits over those tokens only and a greedy draft is the
+    head's argmax among them: for serving greedy drafts, where the argmax almost never lies in
+    the rare rows the LM head would pay for. Returns the new draft vocabulary size; the head is
+    not for saving afterwards."""
+    d2t = drafter.d2t
+    all_ids = draft_to_target_ids(torch.arange(d2t.numel(), device=d2t.device), d2t)  # [Vd]
+    keep = torch.isin(all_ids, target_ids.to(all_ids.device)).nonzero().flatten()  # [N]
+    if keep.numel() == 0:
+        raise ValueError("speculative_token_map: none of its tokens is in the head's draft "
+                         "vocabulary")
+    weight = drafter.lm_head.weight.detach()[keep].clone()  # [N, H]
+    drafter.lm_head = nn.Linear(weight.shape[1], keep.numel(), bias=False,
+                                device=weight.device, dtype=weight.dtype)
+    drafter.lm_head.weight = nn.Parameter(weight, requires_grad=False)
+    kept = all_ids[keep]  # [N] ascending target ids
+    drafter.d2t = kept - torch.arange(kept.numel(), device=kept.device)
+    drafter.t2d.zero_()
+    drafter.t2d[kept] = True
+    return keep.numel()
+
+
+def read_token_map(path: str | Path, vocab_size: int) -> Tensor:
+    """The target token ids ``[N]`` (int64, ascending, distinct) of a token map file, a JSON
+    object ``{"token_ids": [...]}`` with ids in ``[0, vocab_size)`` (``speculative_token_map``;
+    SGLang's frequency-ranked hot-token lists hold the same ids, in a pickle this never opens).
+    A clear error names the file and what it should hold."""
+    raw = read_json(path, required=("token_ids",), what="speculative_token_map")["token_ids"]
+    if (not isinstance(raw, list) or not raw
+            or any(isinstance(t, bool) or not isinstance(t, int) for t in raw)):
+        raise FileFormatError(f"speculative_token_map {str(path)!r}: expected \"token_ids\" to be "
+                              "a non-empty list of target token ids (integers)")
+    ids = torch.tensor(sorted(set(raw)), dtype=torch.long)  # [N]
+    if ids[0] < 0 or ids[-1] >= vocab_size:
+        raise FileFormatError(f"speculative_token_map {str(path)!r}: token ids must lie in "
+                              f"[0, {vocab_size}) (the target vocabulary); found "
+                              f"{int(ids[0])} .. {int(ids[-1])}")
+    return ids
 
 
 def gather_rows(x: Tensor, index: Tensor | None) -> Tensor:

@@ -133,6 +133,7 @@ def for_vllm(spec) -> dict:
     rejection test is ``standard`` (``strict`` / ``probabilistic`` here are that test with
     greedy / sampled drafts, i.e. ``draft_sample_method``); ``synthetic`` is the same word."""
     out = spec.to_dict()
+    out.pop("speculative_token_map", None)  # draftsmith's serving option, unknown to vLLM
     method = out.pop("rejection_sample_method", "strict")
     if method == "probabilistic":
         out.setdefault("draft_sample_method", "probabilistic")

@@ -5,21 +5,26 @@ Features are the target's aux residual streams ``eagle_aux_hidden_state_layer_id
 missing in the config -> :func:`default_aux_layer_ids` of the target, as vLLM does), concatenated
 and projected by the head's ``fc`` once when they arrive. Drafts are in the head's reduced
 vocabulary and mapped to target ids through ``d2t``; draft probabilities are scattered into the
-full target vocabulary.
+full target vocabulary. With ``speculative_token_map`` and greedy drafts the head keeps only the
+map's tokens (:func:`~infer.drafters.common.restrict_vocab`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 from torch import Tensor
 
 from infer.errors import FileFormatError
+from infer.drafters.common import read_token_map, restrict_vocab
 from infer.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import PROPOSERS, ProposerContext, aux_features, check_head_fits
 from infer.proposers.eagle import EagleChainProposer
 from infer.spec_config import SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 
 @PROPOSERS.register("eagle3")
@@ -44,6 +49,12 @@ class Eagle3Proposer(EagleChainProposer):
                                  f"{target.hidden_size}, so the target's embedding cannot be "
                                  "shared")
             drafter.share_embedding(ctx.target.embed_tokens)
+        if spec.speculative_token_map and spec.draft_sample_method == "greedy":
+            before = drafter.lm_head.weight.shape[0]
+            kept = restrict_vocab(drafter, read_token_map(spec.speculative_token_map,
+                                                          ctx.vocab_size))
+            log.info("%s: greedy drafts over %d of its %d draft tokens (speculative_token_map "
+                     "%s)", where, kept, before, spec.speculative_token_map)
         return drafter
 
     def feature_spec(self) -> FeatureSpec:

@@ -1,6 +1,8 @@
 """EAGLE / EAGLE-3 heads served through the engine: greedy speculative output equals plain greedy
 output; a head that copies the target's own predictions gets its drafts accepted."""
 
+import json
+
 import pytest
 import torch
 
@@ -69,6 +71,29 @@ def test_eagle3_sampling_probabilistic_runs(target4, heads):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=10))
     assert all(len(o.token_ids) == 10 for o in outs)
     assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("k,max_num_seqs", [(3, 1), (4, 3)])
+def test_a_token_map_keeps_greedy_drafting_lossless_over_fewer_tokens(target4, heads, tmp_path,
+                                                                       k, max_num_seqs):
+    """``speculative_token_map``: greedy drafts come from the map's tokens only (half of the
+    head's 48, plus ids outside its vocabulary, which are ignored); the output is still plain
+    greedy decoding's. Sampled drafts keep the head's whole vocabulary."""
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps({"token_ids": list(range(0, 96, 4)) + [1, 3]}))
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
+    spec = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": k,
+            "speculative_token_map": str(token_map)}
+    llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
+    drafter = llm.proposer.drafter
+    assert drafter.lm_head.weight.shape[0] == 24
+    assert torch.equal(drafter.to_target_ids(torch.arange(24)), torch.arange(0, 96, 4))
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [b.token_ids for b in base]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+    sampled = LLM(target4, speculative_config={**spec, "draft_sample_method": "probabilistic"},
+                  max_num_seqs=max_num_seqs)
+    assert sampled.proposer.drafter.lm_head.weight.shape[0] == 48
 
 
 @pytest.mark.parametrize("method,head", [("eagle3", "eagle3"), ("eagle", "eagle"),

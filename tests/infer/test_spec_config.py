@@ -431,3 +431,25 @@ def test_check_against_target():
         cfg.check_against_target(512)
     unset = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     assert unset.check_against_target(4096) == 4096
+
+
+def test_speculative_token_map_is_an_eagle3_file_found_beside_the_head(tmp_path, monkeypatch):
+    """draftsmith's (and SGLang's) key: an eagle3 head's only; a relative name that is not a file
+    here is the draft directory's (where export writes it); resolved to a path, so a resolved
+    config parses to itself; vLLM is never sent it."""
+    from infer.errors import MissingFileError
+    from infer.eval.vllm_engine import for_vllm
+
+    head = _draft_dir(tmp_path, "head", SPECULATORS_EAGLE3)
+    (head / "speculative_token_map.json").write_text('{"token_ids": [1, 2]}')
+    monkeypatch.chdir(tmp_path)
+    cfg = SpeculativeConfig.parse({"model": str(head),
+                                   "speculative_token_map": "speculative_token_map.json"})
+    assert cfg.speculative_token_map == str(head / "speculative_token_map.json")
+    assert SpeculativeConfig.parse(cfg.to_dict()) == cfg
+    assert "speculative_token_map" not in for_vllm(cfg)
+    with pytest.raises(MissingFileError, match="speculative_token_map 'other.json'"):
+        SpeculativeConfig.parse({"model": str(head), "speculative_token_map": "other.json"})
+    with pytest.raises(ValueError, match="'speculative_token_map'.*'ngram'"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                 "speculative_token_map": "x.json"})

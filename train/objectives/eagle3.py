@@ -25,12 +25,14 @@ speculators checkpoint vLLM loads.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from infer.atomic import atomic_file
 from infer.drafters.common import write_checkpoint
 from infer.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
@@ -40,9 +42,11 @@ from train.config import LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec, from_end
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
+from train.vocab import DraftVocab
 
 _WHERE = "train config"
 DEFAULT_SPECULATIVE_TOKENS = 3  # vLLM's usual chain length; never more than the steps trained
+TOKEN_MAP_FILE = "speculative_token_map.json"  # drafter.token_map_size; beside the weights
 
 
 def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[int]:
@@ -173,10 +177,43 @@ class Eagle3Objective(TTTObjective):
     # ---- export ------------------------------------------------------------------------------
 
     def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
-        """The speculators checkpoint (``config.json`` + ``model.safetensors``, atomic)."""
+        """The speculators checkpoint (``config.json`` + ``model.safetensors``, atomic), and with
+        ``drafter.token_map_size`` its ``speculative_token_map.json``."""
         state = self.drafter_state(state_dict)
         check_tensors(path, self.drafter.state_dict(), state)
-        return write_checkpoint(path, self.drafter.config.to_dict(), state)
+        out = write_checkpoint(path, self.drafter.config.to_dict(), state)
+        size = self.cfg.drafter.token_map_size
+        if size:
+            write_token_map(out, frequent_draft_tokens(self.vocab, size))
+        return out
+
+    @classmethod
+    def served_config(cls, path: str | Path) -> dict:
+        return {**super().served_config(path), **served_token_map(path)}
+
+
+def frequent_draft_tokens(vocab: DraftVocab, size: int) -> list[int]:
+    """The ``size`` draft-vocabulary tokens (target ids, ascending) most frequent among the
+    training targets (``vocab.counts``; ties: the smaller id), all of them when fewer."""
+    ids = vocab.target_ids()  # [Vd]
+    order = torch.argsort(-vocab.counts[ids], stable=True)[:size]  # [N] most frequent first
+    return sorted(ids[order].tolist())
+
+
+def write_token_map(path: str | Path, token_ids: list[int]) -> Path:
+    """``path/speculative_token_map.json`` (atomic): ``{"token_ids": [...]}``, the file
+    ``speculative_token_map`` names (infer/drafters/common.py ``read_token_map``). JSON, not
+    safetensors: vLLM loads every top-level ``*.safetensors`` of a checkpoint as weights."""
+    file = Path(path) / TOKEN_MAP_FILE
+    with atomic_file(file) as tmp:
+        tmp.write_text(json.dumps({"token_ids": token_ids}) + "\n")
+    return file
+
+
+def served_token_map(path: str | Path) -> dict:
+    """``{"speculative_token_map": file}`` where an export at ``path`` wrote one, else {}."""
+    file = Path(path) / TOKEN_MAP_FILE
+    return {"speculative_token_map": str(file)} if file.is_file() else {}
 
 
 def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = 256) -> Tensor:

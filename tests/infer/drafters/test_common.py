@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from infer.drafters.common import StepKV, TTTKeys
+from infer.drafters.common import StepKV, TTTKeys, read_token_map
+from infer.errors import FileFormatError, MissingFileError
 from infer.models.attention import attend
 from train.data import document_attention_mask
 from train.objectives.ttt import ttt_attention_mask
@@ -50,3 +51,20 @@ def test_ttt_keys_query_sees_only_its_own_later_keys():
     out = kv.attend(0, zeros, zeros, v)[0, 0, :, 0]  # [T]: uniform weights over visible keys
     # query 4 sees step-0 keys 3, 4 and its own step-1 key: the marker with weight 1/3
     assert out.tolist() == pytest.approx([0, 0, 0, 0, 1 / 3, 0])
+
+
+def test_read_token_map_gives_sorted_distinct_ids_and_names_the_file_on_bad_input(tmp_path):
+    good = tmp_path / "map.json"
+    good.write_text('{"token_ids": [9, 2, 5, 2]}')
+    assert read_token_map(good, 10).tolist() == [2, 5, 9]
+    for text, match in [('[1, 2]', "JSON object"), ('{"ids": [1]}', "token_ids"),
+                        ('{"token_ids": []}', "non-empty list"),
+                        ('{"token_ids": [1, true]}', "non-empty list"),
+                        ('{"token_ids": [1, 10]}', r"\[0, 10\)")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(FileFormatError, match=match) as err:
+            read_token_map(bad, 10)
+        assert "bad.json" in str(err.value)
+    with pytest.raises(MissingFileError, match="nowhere.json"):
+        read_token_map(tmp_path / "nowhere.json", 10)

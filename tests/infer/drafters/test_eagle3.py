@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.drafters.common import StepKV
+from infer.drafters.common import StepKV, restrict_vocab
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.kv_cache import KVCache
 from infer.models.attention import packed_causal_mask
@@ -195,6 +195,29 @@ def test_vocab_mapping():
     assert torch.equal(full[..., chosen], q) and not full[..., ~d.t2d].any()
     with pytest.raises(ValueError, match="distinct target ids"):
         d.set_vocab(torch.zeros(20, dtype=torch.long))
+
+
+def test_restrict_vocab_keeps_the_map_tokens_rows_and_mapping():
+    """A token map's tokens in the draft vocabulary stay (ids outside it are ignored): their LM
+    head rows, their d2t / t2d; the restricted head's logits are the full head's at those
+    tokens, so its argmax is the full head's argmax among them."""
+    d = make_drafter()
+    ids, aux = inputs(b=2, t=5)
+    with torch.no_grad():
+        full, _ = d.forward_train(ids, d.prepare(aux))  # [2, 5, 20]
+        drafts = d.to_target_ids(torch.arange(20))  # [20] target ids, ascending
+        chosen = drafts[torch.tensor([0, 3, 4, 11, 19])]
+        outside = torch.tensor(sorted(set(range(64)) - set(drafts.tolist()))[:3])
+        assert restrict_vocab(d, torch.cat([outside, chosen.flip(0)])) == 5
+        part, _ = d.forward_train(ids, d.prepare(aux))  # [2, 5, 5]
+    assert d.lm_head.weight.shape == (5, 32)
+    assert torch.equal(d.to_target_ids(torch.arange(5)), chosen)
+    assert torch.equal(torch.nonzero(d.t2d).flatten(), chosen)
+    keep = torch.tensor([0, 3, 4, 11, 19])
+    assert torch.allclose(part, full[..., keep], atol=1e-6)
+    assert torch.equal(d.to_target_ids(part.argmax(-1)), drafts[keep][full[..., keep].argmax(-1)])
+    with pytest.raises(ValueError, match="none of its tokens"):
+        restrict_vocab(d, outside)
 
 
 # ---- forwards ------------------------------------------------------------------------------------

@@ -242,6 +242,28 @@ def _assert_same_logits(obj, loaded, batch):
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
 
 
+def test_token_map_export_is_the_most_frequent_draft_tokens_and_is_served(env, train_data,
+                                                                           tmp_path):
+    """``drafter.token_map_size``: export writes the most frequent training targets of the draft
+    vocabulary beside the weights, the served config names it, and the engine's reader takes it;
+    without the key there is no file and no entry."""
+    from infer.drafters.common import read_token_map
+
+    vocab = train_data.vocab
+    obj = build("eagle3", env, train_data, token_map_size=10)
+    path = obj.export(tmp_path / "head")
+    ids = vocab.target_ids()
+    counts = vocab.counts[ids]
+    got = read_token_map(path / "speculative_token_map.json", vocab.target_vocab_size)
+    assert got.numel() == 10 and bool(vocab.t2d[got].all())
+    assert counts[torch.isin(ids, got)].min() >= counts[~torch.isin(ids, got)].max()
+    assert obj.served_config(path)["speculative_token_map"] == str(
+        path / "speculative_token_map.json")
+    plain = build("eagle3", env, train_data).export(tmp_path / "plain")
+    assert not (plain / "speculative_token_map.json").exists()
+    assert "speculative_token_map" not in obj.served_config(plain)
+
+
 def test_export_round_trip_identical_logits(trained, env, train_data, tmp_path):
     obj = trained[0]
     path = obj.export(tmp_path / "head")
