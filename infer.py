@@ -30,13 +30,15 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
     from train.tiny.corpus import default_draft_dir
 
     from infer.cli import with_default_draft, with_default_head
+    from infer.drafters.common import token_map_entry
 
     target = str(ensure_tiny_target(with_draft=True))
     draft = str(default_draft_dir())
     head = DEFAULT_HEAD if (DEFAULT_HEAD / "config.json").is_file() else None
     if cfg.speculative_config is None:
         cfg.speculative_config = ({"method": "eagle3", "model": str(head),
-                                   "num_speculative_tokens": 3} if head else
+                                   "num_speculative_tokens": 3, **token_map_entry(head)}
+                                  if head else
                                   {"method": "draft_model", "model": draft,
                                    "num_speculative_tokens": 3})
     cfg.eval.methods = with_default_head(with_default_draft(cfg.eval.methods, draft), head)

@@ -139,7 +139,10 @@ def with_default_head(methods: list[dict], head) -> list[dict]:
     """Add the default recipe's trained EAGLE-3 head (when ``head`` is a path) to the matrix."""
     if head is None or any(m.get("model") == str(head) for m in methods):
         return methods
-    return methods + [{"method": "eagle3", "model": str(head), "name": "tiny_eagle3"}]
+    from infer.drafters.common import token_map_entry
+
+    return methods + [{"method": "eagle3", "model": str(head), "name": "tiny_eagle3",
+                       **token_map_entry(head)}]
 
 
 def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> list[Any]:

@@ -42,3 +42,20 @@ def test_default_serves_the_default_recipes_final_head(infer_entry, tmp_path):
                                       "num_speculative_tokens": 3}
     assert {"method": "eagle3", "model": str(infer_entry.DEFAULT_HEAD),
             "name": "tiny_eagle3"} in cfg.eval.methods
+
+
+def test_default_head_drafts_over_its_exported_token_map(infer_entry, tmp_path):
+    """With the speculative_token_map.json that train.py exports (drafter.token_map_size), the
+    default configuration and the evaluation's head row name it."""
+    from infer.drafters.common import write_token_map
+
+    head = tmp_path / "outputs" / "tiny_eagle3" / "final"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text("{}")
+    file = write_token_map(head, [1, 2, 3])
+    cfg = InferConfig(num_prompts=1)
+    infer_entry.default_model(cfg)
+    assert cfg.speculative_config["speculative_token_map"] == str(infer_entry.DEFAULT_HEAD /
+                                                                 file.name)
+    row = next(m for m in cfg.eval.methods if m.get("name") == "tiny_eagle3")
+    assert row["speculative_token_map"] == cfg.speculative_config["speculative_token_map"]

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from infer.atomic import atomic_dir, remove_leftovers
+from infer.atomic import atomic_dir, atomic_file, remove_leftovers
 from infer.errors import FileFormatError, MissingFileError
 from infer.files import read_json, read_safetensors
 from infer.models.attention import attend, cache_mask
@@ -235,6 +235,17 @@ def draft_to_target_probs(q: Tensor, d2t: Tensor | None, vocab_size: int) -> Ten
     return out.index_copy_(-1, torch.arange(q.shape[-1], device=q.device) + d2t, q)
 
 
+TOKEN_MAP_FILE = "speculative_token_map.json"  # beside an exported head (drafter.token_map_size)
+
+
+def token_map_entry(model_dir: str | Path) -> dict:
+    """``{"speculative_token_map": file}`` where a head directory holds the token map that
+    draftsmith's export writes (``TOKEN_MAP_FILE``), else {}: what serving that head adds to its
+    ``speculative_config``."""
+    file = Path(model_dir) / TOKEN_MAP_FILE
+    return {"speculative_token_map": str(file)} if file.is_file() else {}
+
+
 def restrict_vocab(drafter: nn.Module, target_ids: Tensor) -> int:
     """Keep only the draft tokens of ``drafter`` (an EAGLE-3 head: ``lm_head``, ``d2t``,
     ``t2d``) among ``target_ids``, an inference-time vocabulary (``speculative_token_map``: the
@@ -258,6 +269,16 @@ def restrict_vocab(drafter: nn.Module, target_ids: Tensor) -> int:
     drafter.t2d.zero_()
     drafter.t2d[kept] = True
     return keep.numel()
+
+
+def write_token_map(path: str | Path, token_ids: list[int]) -> Path:
+    """``path/speculative_token_map.json`` (atomic): ``{"token_ids": [...]}``, what
+    :func:`read_token_map` reads. JSON, not safetensors: vLLM loads every top-level
+    ``*.safetensors`` of a checkpoint as weights."""
+    file = Path(path) / TOKEN_MAP_FILE
+    with atomic_file(file) as tmp:
+        tmp.write_text(json.dumps({"token_ids": token_ids}) + "\n")
+    return file
 
 
 def read_token_map(path: str | Path, vocab_size: int) -> Tensor:

@@ -50,11 +50,7 @@ class Eagle3Proposer(EagleChainProposer):
                                  "shared")
             drafter.share_embedding(ctx.target.embed_tokens)
         if spec.speculative_token_map and spec.draft_sample_method == "greedy":
-            before = drafter.lm_head.weight.shape[0]
-            kept = restrict_vocab(drafter, read_token_map(spec.speculative_token_map,
-                                                          ctx.vocab_size))
-            log.info("%s: greedy drafts over %d of its %d draft tokens (speculative_token_map "
-                     "%s)", where, kept, before, spec.speculative_token_map)
+            restrict_to_map(drafter, spec.speculative_token_map, ctx.vocab_size, where)
         return drafter
 
     def feature_spec(self) -> FeatureSpec:
@@ -62,3 +58,18 @@ class Eagle3Proposer(EagleChainProposer):
 
     def target_features(self, target_output: ModelOutput) -> Tensor:
         return aux_features(target_output, self.drafter.aux_layer_ids, "eagle3")
+
+
+def restrict_to_map(drafter: Eagle3Drafter, token_map: str, vocab_size: int, where: str) -> None:
+    """Greedy drafts over the ``speculative_token_map`` file's tokens only
+    (:func:`~infer.drafters.common.restrict_vocab`); a map that shares no token with the head is
+    a user error naming both."""
+    before = drafter.lm_head.weight.shape[0]
+    try:
+        kept = restrict_vocab(drafter, read_token_map(token_map, vocab_size))
+    except ValueError as e:
+        if isinstance(e, FileFormatError):
+            raise
+        raise FileFormatError(f"{where}: {e} (speculative_token_map {token_map!r})") from None
+    log.info("%s: greedy drafts over %d of its %d draft tokens (speculative_token_map %s)",
+             where, kept, before, token_map)

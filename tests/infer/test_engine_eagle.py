@@ -10,6 +10,7 @@ import infer.graphs
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from infer.engine import LLM
+from infer.errors import FileFormatError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
@@ -94,6 +95,9 @@ def test_a_token_map_keeps_greedy_drafting_lossless_over_fewer_tokens(target4, h
     sampled = LLM(target4, speculative_config={**spec, "draft_sample_method": "probabilistic"},
                   max_num_seqs=max_num_seqs)
     assert sampled.proposer.drafter.lm_head.weight.shape[0] == 48
+    token_map.write_text(json.dumps({"token_ids": [1, 3]}))  # odd ids: none in the head's
+    with pytest.raises(FileFormatError, match="none of its tokens.*map.json"):
+        LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
 
 
 @pytest.mark.parametrize("method,head", [("eagle3", "eagle3"), ("eagle", "eagle"),

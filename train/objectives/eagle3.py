@@ -25,15 +25,13 @@ speculators checkpoint vLLM loads.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer.atomic import atomic_file
-from infer.drafters.common import write_checkpoint
+from infer.drafters.common import token_map_entry, write_checkpoint, write_token_map
 from infer.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
@@ -46,7 +44,6 @@ from train.vocab import DraftVocab
 
 _WHERE = "train config"
 DEFAULT_SPECULATIVE_TOKENS = 3  # vLLM's usual chain length; never more than the steps trained
-TOKEN_MAP_FILE = "speculative_token_map.json"  # drafter.token_map_size; beside the weights
 
 
 def resolve_aux_layer_ids(configured, num_layers: int, init_ids=None) -> list[int]:
@@ -189,7 +186,7 @@ class Eagle3Objective(TTTObjective):
 
     @classmethod
     def served_config(cls, path: str | Path) -> dict:
-        return {**super().served_config(path), **served_token_map(path)}
+        return {**super().served_config(path), **token_map_entry(path)}
 
 
 def frequent_draft_tokens(vocab: DraftVocab, size: int) -> list[int]:
@@ -198,22 +195,6 @@ def frequent_draft_tokens(vocab: DraftVocab, size: int) -> list[int]:
     ids = vocab.target_ids()  # [Vd]
     order = torch.argsort(-vocab.counts[ids], stable=True)[:size]  # [N] most frequent first
     return sorted(ids[order].tolist())
-
-
-def write_token_map(path: str | Path, token_ids: list[int]) -> Path:
-    """``path/speculative_token_map.json`` (atomic): ``{"token_ids": [...]}``, the file
-    ``speculative_token_map`` names (infer/drafters/common.py ``read_token_map``). JSON, not
-    safetensors: vLLM loads every top-level ``*.safetensors`` of a checkpoint as weights."""
-    file = Path(path) / TOKEN_MAP_FILE
-    with atomic_file(file) as tmp:
-        tmp.write_text(json.dumps({"token_ids": token_ids}) + "\n")
-    return file
-
-
-def served_token_map(path: str | Path) -> dict:
-    """``{"speculative_token_map": file}`` where an export at ``path`` wrote one, else {}."""
-    file = Path(path) / TOKEN_MAP_FILE
-    return {"speculative_token_map": str(file)} if file.is_file() else {}
 
 
 def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = 256) -> Tensor:

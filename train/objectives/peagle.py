@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from infer.drafters.common import token_map_entry
 from infer.drafters.eagle3 import Eagle3Drafter
 from infer.drafters.peagle import PEagleConfig, PEagleDrafter
 from infer.files import read_json
@@ -51,7 +52,7 @@ from infer.models.loader import resolve_model_dir
 from infer.spec_config import checkpoint_type
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput
 from train.objectives.eagle3 import (Eagle3Objective, init_aux_layer_ids, load_init,
-                                     resolve_aux_layer_ids, served_token_map)
+                                     resolve_aux_layer_ids)
 from train.objectives.losses import forward_kl, masked_mean
 from train.objectives.pard import chain_accuracy, choose_mask_token, cod_selection, copy_layout
 from train.objectives.ttt import shift_left
@@ -133,7 +134,7 @@ class PEagleObjective(Eagle3Objective):
     @classmethod
     def served_config(cls, path: str | Path) -> dict:
         return {"method": "eagle3", "model": str(path), "parallel_drafting": True,
-                **served_token_map(path)}
+                **token_map_entry(path)}
 
     def rows(self, batch: dict[str, Tensor], keep: list[Tensor] | None = None
              ) -> tuple[PEagleRows, Tensor]:
