@@ -4,6 +4,7 @@ deployment checkpoint -> acceptance report, for each method and both feature mod
 import json
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from infer import LLM, SamplingParams
@@ -211,3 +212,28 @@ def test_mtp_recipe_end_to_end(tmp_path, train_target, chat_file):
     assert spec.num_speculative_tokens == 1
     assert greedy_lossless(train_target, {"method": "mtp", "model": str(final),
                                           "num_speculative_tokens": 3}, [[5, 6, 7, 8]])
+
+
+def test_the_drafter_does_not_depend_on_what_data_preparation_drew(tmp_path, train_target,
+                                                                    chat_file, monkeypatch):
+    """A cold cache builds the embedded target or regenerates answers, drawing from the global
+    RNG; a warm one does not. The trained drafter is the same either way (train.py seeds again
+    before building it)."""
+    import train.pipeline as pipeline
+
+    def trained(out, draw):
+        prepare = pipeline.prepare_data
+
+        def drawing(*args, **kwargs):
+            result = prepare(*args, **kwargs)
+            torch.rand(draw)  # what a cold cache's work would have consumed
+            return result
+
+        monkeypatch.setattr(pipeline, "prepare_data", drawing)
+        cfg = make_cfg(out, train_target, chat_file, "objective.ttt_steps=1",
+                       "trainer.max_steps=2", "eval.enabled=false")
+        final = run(cfg).final_dir
+        monkeypatch.setattr(pipeline, "prepare_data", prepare)
+        return (final / "model.safetensors").read_bytes()
+
+    assert trained(tmp_path / "warm", 0) == trained(tmp_path / "cold", 1000)
