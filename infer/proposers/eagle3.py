@@ -64,12 +64,10 @@ def restrict_to_map(drafter: Eagle3Drafter, token_map: str, vocab_size: int, whe
     """Greedy drafts over the ``speculative_token_map`` file's tokens only
     (:func:`~infer.drafters.common.restrict_vocab`); a map that shares no token with the head is
     a user error naming both."""
-    before = drafter.lm_head.weight.shape[0]
+    before, ids = drafter.lm_head.weight.shape[0], read_token_map(token_map, vocab_size)
     try:
-        kept = restrict_vocab(drafter, read_token_map(token_map, vocab_size))
+        kept = restrict_vocab(drafter, ids)
     except ValueError as e:
-        if isinstance(e, FileFormatError):
-            raise
         raise FileFormatError(f"{where}: {e} (speculative_token_map {token_map!r})") from None
     log.info("%s: greedy drafts over %d of its %d draft tokens (speculative_token_map %s)",
              where, kept, before, token_map)
