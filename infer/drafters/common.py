@@ -265,7 +265,7 @@ def restrict_vocab(drafter: nn.Module, target_ids: Tensor) -> int:
                                 device=weight.device, dtype=weight.dtype)
     drafter.lm_head.weight = nn.Parameter(weight, requires_grad=False)
     kept = all_ids[keep]  # [N] ascending target ids
-    drafter.d2t = kept - torch.arange(kept.numel(), device=kept.device)
+    drafter.d2t = d2t_from_ids(kept, drafter.t2d.numel(), kept.device)
     drafter.t2d.zero_()
     drafter.t2d[kept] = True
     return keep.numel()
