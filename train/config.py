@@ -244,6 +244,9 @@ class ObjectiveConfig:
     """eagle: KL to the target's next-token distribution."""
     kd_weight: float = 0.0
     """mlp_speculator / pard: KL to the target's distribution, on top of the CE."""
+    argmax_weight: float = 0.0
+    """eagle3: cross-entropy on the target's greedy token (where the draft vocabulary has it),
+    on top of the KL: what a greedy draft must match."""
     pard_k: int = 8
     """pard: copies of the sequence (drafts per forward)."""
     cod_ratio: float = 0.7
@@ -457,6 +460,7 @@ _SECTION_RULES = {
                 "init_from": _opt_str},
     "objective": {"ttt_steps": _pos, "step_weight": _weight, "feature_noise": _weight,
                   "regression_weight": _weight, "ce_weight": _weight, "kd_weight": _weight,
+                  "argmax_weight": _weight,
                   "pard_k": _pos, "cod_ratio": _share, "cod_min": _share,
                   "parallel_depths": _pos, "block_size": partial(check_int, minimum=2),
                   "max_anchors": _pos, "decay_gamma": _positive, "stage2_steps": _nonneg,

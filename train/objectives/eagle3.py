@@ -1,6 +1,9 @@
 """EAGLE-3 objective: the speculators head of ``infer/drafters/eagle3.py`` trained with the
 training-time-test unroll of ``ttt.py`` against the target's distribution over the draft
-vocabulary (forward KL, docs/reference.md §4).
+vocabulary (forward KL, docs/reference.md §4), plus, with ``objective.argmax_weight``, the
+cross-entropy of the target's greedy token where the draft vocabulary has it (a flat target
+distribution leaves a KL-trained head's argmax on the wrong token of a near tie; greedy drafts
+are judged by that argmax alone).
 
 Per step ``s`` the head's logits over the ``draft_vocab_size`` draft ids are compared with the
 target's logits at ``t + 1 + s`` restricted to the same ids (``lm_head.weight[target_ids]``,
@@ -108,6 +111,7 @@ class Eagle3Objective(TTTObjective):
             speculative_tokens=min(self.ttt_steps, DEFAULT_SPECULATIVE_TOKENS))
         self.drafter = Eagle3Drafter(config)
         self.drafter.set_vocab(vocab.target_ids())
+        self.argmax_weight = float(cfg.objective.argmax_weight)
         if d.lm_head_init == LmHeadInit.target_rows:
             init_lm_head(self.drafter, heads.lm_head, vocab.target_ids())
         if self.drafter.embed_tokens is not None:  # trained: start from the target's
@@ -149,8 +153,8 @@ class Eagle3Objective(TTTObjective):
     def distributions(self, hidden: Tensor) -> dict[str, Tensor]:
         """At the target's final states ``hidden [..., H]``: its log-distribution over the
         draft vocabulary (``logp [..., Vd]``), its greedy token over the whole vocabulary
-        (``argmax [...]``, target ids) and whether that lies outside the draft vocabulary
-        (``oov [...]`` bool)."""
+        (``argmax [...]``, target ids), whether that lies outside the draft vocabulary
+        (``oov [...]`` bool) and its draft id (``argmax_draft [...]``, -1 where outside)."""
         head = self.heads.lm_head
         ids = self.drafter.to_target_ids(
             torch.arange(self.drafter.config.draft_vocab_size, device=self.drafter.d2t.device))
@@ -163,13 +167,20 @@ class Eagle3Objective(TTTObjective):
             argmax = ids[logits.argmax(-1)]  # [...] target ids
         else:
             argmax = full_vocab_argmax(hidden, head)  # [...] target ids
-        return {"logp": F.log_softmax(logits, dim=-1), "argmax": argmax,
-                "oov": ~self.drafter.t2d.to(argmax.device)[argmax]}
+        oov = ~self.drafter.t2d.to(argmax.device)[argmax]
+        index = torch.full((head.weight.shape[0],), -1, dtype=torch.long, device=ids.device)
+        index[ids] = torch.arange(ids.numel(), device=ids.device)
+        return {"logp": F.log_softmax(logits, dim=-1), "argmax": argmax, "oov": oov,
+                "argmax_draft": index.to(argmax.device)[argmax]}
 
     def step_loss(self, step, logits, hidden, targets):
-        kl = forward_kl(logits, targets["logp"])  # [N]
+        loss = forward_kl(logits, targets["logp"])  # [N]
+        if self.argmax_weight > 0:  # a greedy draft must hit the argmax, not the distribution
+            want = targets["argmax_draft"]  # [N] draft ids, -1 outside the draft vocabulary
+            ce = F.cross_entropy(logits.float(), want.clamp_min(0), reduction="none")  # [N]
+            loss = loss + self.argmax_weight * ce * (want >= 0)
         proposed = self.drafter.to_target_ids(logits.argmax(-1))  # [N] target ids
-        return kl, proposed == targets["argmax"], {"oov_rate": targets["oov"].float()}
+        return loss, proposed == targets["argmax"], {"oov_rate": targets["oov"].float()}
 
     # ---- export ------------------------------------------------------------------------------
 

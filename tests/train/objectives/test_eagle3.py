@@ -407,6 +407,30 @@ def test_accuracy_is_against_the_full_vocabulary_argmax(env, train_data):
     assert torch.allclose(metrics["oov_rate/step_0"], want)
 
 
+def test_argmax_weight_adds_the_cross_entropy_of_the_target_greedy_token(env, train_data):
+    """``objective.argmax_weight: w``: KL + w * CE(the target's greedy token) per position, by
+    hand; where that token lies outside the draft vocabulary the KL alone (nothing to match)."""
+    plain = build("eagle3", env, train_data).eval()
+    weighted = build("eagle3", env, train_data, argmax_weight=0.5).eval()
+    batch = env[2][0]
+    rows = target_rows(batch["loss_mask"])  # [B, T]
+    with torch.no_grad():
+        targets = weighted.targets(batch, rows)  # [M, ...]
+    torch.manual_seed(3)
+    logits = torch.randn(targets["logp"].shape)  # [M, Vd] any proposal
+    kl, _, _ = plain.step_loss(0, logits, None, targets)
+    loss, _, _ = weighted.step_loss(0, logits, None, targets)
+    draft_of = {int(t): d for d, t in enumerate(train_data.vocab.target_ids())}
+    oov = targets["oov"]
+    assert 0 < oov.float().mean() < 1
+    for m in range(logits.shape[0]):
+        want = kl[m]
+        if not oov[m]:
+            best = draft_of[int(targets["argmax"][m])]
+            want = want + 0.5 * -torch.log_softmax(logits[m], -1)[best]
+        torch.testing.assert_close(loss[m], want)
+
+
 def test_lm_head_starts_from_the_target_rows(env, train_data):
     rows = env[1].lm_head.weight[train_data.vocab.target_ids()]  # [Vd, H]
     assert torch.equal(build("eagle3", env, train_data).drafter.lm_head.weight, rows)
