@@ -245,8 +245,8 @@ class ObjectiveConfig:
     kd_weight: float = 0.0
     """mlp_speculator / pard: KL to the target's distribution, on top of the CE."""
     argmax_weight: float = 0.0
-    """eagle3: cross-entropy on the target's greedy token (where the draft vocabulary has it),
-    on top of the KL: what a greedy draft must match."""
+    """eagle3 / peagle: cross-entropy on the target's greedy token (where the draft vocabulary
+    has it), on top of the KL: what a greedy draft must match."""
     pard_k: int = 8
     """pard: copies of the sequence (drafts per forward)."""
     cod_ratio: float = 0.7
