@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import infer.rejection as rejection
-from infer.rejection import rejection_sample, synthetic_accept_prob
+from infer.rejection import (draw_randomness, rejection_core_reference, rejection_sample,
+                             synthetic_accept_prob)
 from infer.sampling import logits_to_probs
 
 VOCAB, K = 10, 2
@@ -262,6 +263,20 @@ def test_k_zero_gives_bonus_only():
     out = rejection_sample(torch.randn(3, 1, 7), torch.empty(3, 0, dtype=torch.long),
                            temperature=0.0)
     assert out.shape == (3, 1) and (out >= 0).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_k_zero_shortcut_is_the_cores_bonus_token(temperature):
+    """With no drafts the sampler skips the core: the same tokens as the core, from the same
+    draws, so plain decoding's random stream is unchanged."""
+    logits = torch.randn(5, 1, 40, generator=_gen(3))
+    empty = torch.empty(5, 0, dtype=torch.long)
+    got = rejection_sample(logits, empty, temperature=temperature, generator=_gen(9))
+    probs = logits_to_probs(logits, temperature)
+    uniforms, noise = draw_randomness(5, 0, 40, logits.device, _gen(9))
+    want = rejection_core_reference(probs, empty, torch.zeros(5, dtype=torch.long), uniforms,
+                                    noise)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("method", ["strict", "probabilistic", "synthetic"])
