@@ -79,6 +79,10 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     k = draft_token_ids.shape[1]
     probs = logits_to_probs(target_logits, temperature, top_k, top_p)
     probs = probs.contiguous()  # [batch, k + 1, vocab] fp32
+    uniforms, noise = draw_randomness(probs.shape[0], max(k, draw_k), probs.shape[2],
+                                      probs.device, generator)
+    if k == 0:  # no drafts (plain decoding): the core's bonus token is a plain sample from p,
+        return (probs[:, 0] / noise).argmax(dim=-1, keepdim=True)  # and its ~30 ops cost ~0.1 ms
     draft_ids = draft_token_ids.long().contiguous()  # [batch, k]
     # drafted tokens are the non-negative prefix (robust even if a -1 were not a suffix)
     num_drafts = (draft_ids >= 0).long().cumprod(dim=1).sum(dim=1)  # [batch]
@@ -88,10 +92,6 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     accept_prob = None
     if method == "synthetic":
         accept_prob = synthetic_accept_probs(num_drafts, synthetic_acceptance_rate, k)  # [batch]
-    uniforms, noise = draw_randomness(probs.shape[0], max(k, draw_k), probs.shape[2],
-                                      probs.device, generator)
-    if k == 0:  # no drafts (plain decoding): the core's bonus token is a plain sample from p,
-        return (probs[:, 0] / noise).argmax(dim=-1, keepdim=True)  # and its ~30 ops cost ~0.1 ms
     uniforms = uniforms[:, :k].contiguous()  # [batch, k]
     core = _pick_core(impl, probs)
     return core(probs, draft_ids, num_drafts, uniforms, noise, q, accept_prob)

@@ -112,10 +112,6 @@ class Eagle3Objective(TTTObjective):
         self.drafter = Eagle3Drafter(config)
         self.drafter.set_vocab(vocab.target_ids())
         self.argmax_weight = float(cfg.objective.argmax_weight)
-        ids = vocab.target_ids()
-        index = torch.full((heads.lm_head.weight.shape[0],), -1, dtype=torch.long)  # [vocab]
-        index[ids] = torch.arange(ids.numel())
-        self.register_buffer("draft_index", index, persistent=False)  # target id -> draft id
         if d.lm_head_init == LmHeadInit.target_rows:
             init_lm_head(self.drafter, heads.lm_head, vocab.target_ids())
         if self.drafter.embed_tokens is not None:  # trained: start from the target's
@@ -173,7 +169,7 @@ class Eagle3Objective(TTTObjective):
             argmax = full_vocab_argmax(hidden, head)  # [...] target ids
         return {"logp": F.log_softmax(logits, dim=-1), "argmax": argmax,
                 "oov": ~self.drafter.t2d.to(argmax.device)[argmax],
-                "argmax_draft": self.draft_index.to(argmax.device)[argmax]}
+                "argmax_draft": self.vocab.target_to_draft(argmax)}
 
     def step_loss(self, step, logits, hidden, targets):
         loss = forward_kl(logits, targets["logp"])  # [N]
