@@ -19,7 +19,7 @@ Stored as ``draft_vocab.safetensors`` (``d2t``, ``t2d``, ``counts``) next to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -37,6 +37,9 @@ class DraftVocab:
     d2t: torch.Tensor     # int64 [N]: draft id i -> target id i + d2t[i]
     t2d: torch.Tensor     # bool [target_vocab]
     counts: torch.Tensor  # int64 [target_vocab]: loss-masked occurrences of each target token
+    # target id -> draft id (-1 outside) per device, built on first use: the EAGLE-3 objective
+    # looks its targets up every training step
+    _to_draft: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -56,9 +59,12 @@ class DraftVocab:
 
     def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids (any shape) -> draft ids, -1 where the token is not in the draft vocab."""
-        lookup = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
-        lookup[self.target_ids()] = torch.arange(self.draft_vocab_size)
-        return lookup.to(target_ids.device)[target_ids]
+        lookup = self._to_draft.get(target_ids.device)
+        if lookup is None:
+            lookup = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
+            lookup[self.target_ids()] = torch.arange(self.draft_vocab_size)
+            lookup = self._to_draft[target_ids.device] = lookup.to(target_ids.device)
+        return lookup[target_ids]
 
     def save(self, path: str | Path) -> Path:
         """Write ``path`` (a folder gets ``draft_vocab.safetensors`` inside); returns the file."""

@@ -167,9 +167,9 @@ class Eagle3Objective(TTTObjective):
             argmax = ids[logits.argmax(-1)]  # [...] target ids
         else:
             argmax = full_vocab_argmax(hidden, head)  # [...] target ids
+        argmax_draft = self.vocab.target_to_draft(argmax)  # [...] -1 outside the draft vocab
         return {"logp": F.log_softmax(logits, dim=-1), "argmax": argmax,
-                "oov": ~self.drafter.t2d.to(argmax.device)[argmax],
-                "argmax_draft": self.vocab.target_to_draft(argmax)}
+                "oov": argmax_draft < 0, "argmax_draft": argmax_draft}
 
     def step_loss(self, step, logits, hidden, targets):
         loss = forward_kl(logits, targets["logp"])  # [N]
