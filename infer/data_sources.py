@@ -10,6 +10,8 @@
 - one such file (a single file is one split; ``split`` is ignored). A .json file holds a list
   of records, JSON Lines, or an object whose ``split`` / ``data`` / ``rows`` / ``examples`` /
   ``train`` key holds the list of records;
+- ``draftsmith:NAME``: a prompt set draftsmith builds itself (``infer/eval/chat_prompts.py``:
+  ``chat-train``, ``chat-heldout``);
 - anything else that does not exist locally and does not look like a path: a Hugging Face Hub id
   (``split``, ``subset``; needs the network or a populated cache).
 
@@ -28,6 +30,7 @@ from infer.errors import FileFormatError, MissingFileError
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
                  ".csv": "csv"}
 RECORD_LIST_KEYS = ("data", "rows", "examples", "train")  # after the split's own name
+BUILTIN_PREFIX = "draftsmith:"  # draftsmith:chat-train, draftsmith:chat-heldout
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -38,6 +41,8 @@ def load_source(source: str | Path, split: str = "train", *, subset: str | None 
     import datasets
 
     text = str(source)
+    if text.startswith(BUILTIN_PREFIX):
+        return _load_builtin(text)
     path = Path(text).expanduser()
     if path.is_dir():
         return _load_folder(path, split, subset, cache_dir)
@@ -50,6 +55,19 @@ def load_source(source: str | Path, split: str = "train", *, subset: str | None 
     except Exception as e:  # noqa: BLE001 - re-raised with the source named
         raise FileFormatError(f"{text!r} is not a local path and could not be loaded as a Hub "
                          f"dataset (split={split!r}): {type(e).__name__}: {e}") from e
+
+
+def _load_builtin(text: str) -> Any:
+    """A prompt set that draftsmith builds itself (infer/eval/chat_prompts.py)."""
+    import datasets
+
+    from infer.eval.chat_prompts import BUILTIN_SETS
+
+    name = text[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_SETS:
+        raise MissingFileError(f"dataset {text!r}: no such built-in set; built-in sets are "
+                               f"{', '.join(BUILTIN_PREFIX + k for k in BUILTIN_SETS)}")
+    return datasets.Dataset.from_list(BUILTIN_SETS[name]())
 
 
 def _load_folder(path: Path, split: str, subset: str | None, cache_dir: str | None) -> Any:

@@ -64,11 +64,19 @@ def generate(args, speculative_config):
 
     llm = make_llm(args.target, speculative_config)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    outs = llm.generate(PROMPTS[: args.prompts], params)
+    outs = llm.generate(check_prompts(args)[: args.prompts], params)
     ids = [list(o.outputs[0].token_ids) for o in outs]
     counters = spec_counters(llm) if speculative_config else {}
     del llm
     return ids, counters
+
+
+def check_prompts(args) -> list[str]:
+    """``--prompts-file`` (a JSON list of prompt strings, already chat-rendered), else code."""
+    if not args.prompts_file:
+        return PROMPTS
+    with open(args.prompts_file) as f:
+        return json.load(f)
 
 
 def timed(target: str, speculative_config, prompts: list[str], batch: int,
@@ -100,8 +108,7 @@ def _minus(after, before):
 
 
 def time_main(args) -> int:
-    with open(args.prompts_file) as f:
-        prompts = json.load(f)
+    prompts = check_prompts(args)
     spec = json.loads(args.speculative_config)
     rows = []
     for batch in args.batch_sizes:

@@ -6,6 +6,9 @@
         --drafter dflash=outputs/tiny_dflash/final \
         [--target DIR] [--k 3] [--batch-sizes 1 8] [--prompts 8] [--max-tokens 64] [--repeats 3]
 
+``--target smollm2`` (the real target, train/real/targets.py) runs on the held-out chat questions
+(``draftsmith:chat-heldout``) instead of the tiny target's held-out code.
+
 Each engine's speedup is over its own autoregressive decoding (both greedy, ``ignore_eos``, the
 same chat-rendered held-out prompts, all submitted at once with ``max_num_seqs`` = the batch
 size). draftsmith runs through its harness (``run_harness``); vLLM through
@@ -29,10 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from infer.eval.chat_prompts import HELDOUT  # noqa: E402
 from infer.eval.harness import run_harness  # noqa: E402
 from infer.eval.machine import other_cores_now  # noqa: E402
 from infer.spec_config import METHODS  # noqa: E402
 from infer.target import Target  # noqa: E402
+from train.real.targets import NAMED_TARGETS, local_target  # noqa: E402
 from train.tiny.build import ensure_tiny_target  # noqa: E402
 from train.tiny.examples import heldout_prompts  # noqa: E402
 
@@ -114,11 +119,13 @@ def main() -> int:
     ap.add_argument("--out", default="outputs/compare_vllm.json")
     args = ap.parse_args()
 
-    target_dir = args.target or str(ensure_tiny_target())
+    target_dir = local_target(args.target) or str(ensure_tiny_target())
     target = Target.load(target_dir, device="cpu")
+    questions = (HELDOUT[: args.prompts] if args.target in NAMED_TARGETS
+                 else heldout_prompts(args.prompts, seed=0))
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                     tokenize=False, add_generation_prompt=True)
-               for p in heldout_prompts(args.prompts, seed=0)]
+               for p in questions]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompts_file = out.with_suffix(".prompts.json")  # kept: the prompts both engines ran

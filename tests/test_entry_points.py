@@ -59,3 +59,34 @@ def test_default_head_drafts_over_its_exported_token_map(infer_entry, tmp_path):
                                                                  file.name)
     row = next(m for m in cfg.eval.methods if m.get("name") == "tiny_eagle3")
     assert row["speculative_token_map"] == cfg.speculative_config["speculative_token_map"]
+
+
+@pytest.fixture
+def real_target(monkeypatch, tiny_gguf, tmp_path):
+    """A converted real target: the converter is the real one, the GGUF the in-process one."""
+    import train.real.targets as named
+
+    monkeypatch.setattr(named, "locate_gguf", lambda target: (tiny_gguf[0], "0.0.9"))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+
+
+def test_named_target_generates_on_the_heldout_chat_questions(infer_entry, real_target):
+    from infer.eval.chat_prompts import HELDOUT
+
+    cfg = InferConfig(model="smollm2", num_prompts=2)
+    target, prompts = infer_entry.named_model(cfg)
+    assert target.endswith("smollm2-135m-instruct-0.0.9") and len(prompts) == 2
+    assert all(q in p and p.endswith("<|im_start|>assistant\n") for q, p in zip(HELDOUT, prompts))
+    assert cfg.speculative_config is None  # no head trained yet: plain decoding
+
+
+def test_named_target_drafts_with_its_recipes_head_and_evaluates_on_chat(infer_entry,
+                                                                        real_target, tmp_path):
+    head = tmp_path / "outputs" / "smollm2_eagle3" / "final"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text("{}")
+    cfg = InferConfig(model="smollm2", mode="eval")
+    target, prompts = infer_entry.named_model(cfg)
+    assert prompts is None and cfg.eval.dataset == "draftsmith:chat-heldout"
+    assert cfg.speculative_config == {"method": "eagle3", "num_speculative_tokens": 3,
+                                      "model": str(Path("outputs/smollm2_eagle3/final"))}

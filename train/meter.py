@@ -72,3 +72,25 @@ class Meter:
                    tokens_per_s=self.window_tokens / seconds)
         self._new_window()
         return out
+
+
+class PhaseClock:
+    """Wall time per phase of a run (data, features, training, export, evaluation), printed as
+    one line at the end, so that a user sees where a run's minutes went (``make demo-real``)."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        """Charge the time since the previous lap to ``name`` (laps of one name add up)."""
+        now = time.monotonic()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def summary(self) -> str:
+        def clock(seconds: float) -> str:
+            return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+        parts = ", ".join(f"{name} {clock(s)}" for name, s in self.phases.items())
+        return f"wall time: {parts}; total {clock(time.monotonic() - self.start)}"

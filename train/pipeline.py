@@ -34,7 +34,9 @@ from train.data import load_source, pad_token_id, prepare_dataset
 from train.features import FeatureSource, make_feature_source
 from train.objectives.base import OBJECTIVES, Objective, Stage, StageData
 from train.plan import RunPlan, check_offline_cache, run_plan
+from train.real.targets import local_target
 from train.frozen_target import FrozenTarget, resolve_sharding
+from train.meter import PhaseClock
 from train.served_eval import ServedEval
 from train.tiny.examples import build_default_dataset
 from train.vocab import DraftVocab, build_draft_vocab
@@ -114,10 +116,11 @@ def _run(cfg: TrainConfig) -> RunResult:
 
     from train.trainer import use_cpu
 
-    state = PartialState(cpu=use_cpu(cfg.trainer))
+    state, clock = PartialState(cpu=use_cpu(cfg.trainer)), PhaseClock()
     set_seed(cfg.seed)
     with state.main_process_first():
         prepared = prepare_data(cfg, save=state.is_main_process)
+    clock.lap("data (target, regeneration, tokenization)")
     print(f"target: {prepared.target_dir}\ndraft vocabulary: {prepared.vocab.draft_vocab_size} "
           f"tokens -> {prepared.data_dir}")
     sharding = resolve_sharding(cfg.target.sharding, state.num_processes)
@@ -141,28 +144,33 @@ def _run(cfg: TrainConfig) -> RunResult:
             following = stages[i + 1] if i + 1 < len(stages) else None
             rows = stage_rows(cfg, stage, prepared, state)
             source = feature_source(cfg, target, objective, rows, stage, state)
+            clock.lap("features")
             moments = result.optimizer_state if result and stage.carry_optimizer else None
             result = train_stage(cfg, objective, source, stage, prepared, logger,
                                  last=following is None, optimizer_state=moments,
                                  keep_optimizer_state=bool(following and following.carry_optimizer),
                                  served=served)
             step += result.step  # W&B steps must not go backwards
+            clock.lap("training")
         export(objective, result, cfg.final_dir, state)
+        clock.lap("export")
         report = None
         if cfg.eval.enabled and state.is_main_process:
             report = evaluate_drafter(cfg, prepared.target_dir, objective, logger, step)
+            clock.lap("evaluation")
     finally:
         logger.finish()
-    print(f"final drafter: {cfg.final_dir}")
+    print(f"final drafter: {cfg.final_dir}\n{clock.summary()}")
     return RunResult(cfg.final_dir, result, report)
 
 
 # ---- 1. data ---------------------------------------------------------------------------------
 
 def resolve_target(cfg: TrainConfig) -> str:
-    """The target directory: the configured one, or the embedded tiny target (built if needed)."""
+    """The target directory: the configured one (a named target converted first), or the
+    embedded tiny target (built if needed)."""
     if cfg.target.path:
-        path = Path(cfg.target.path)
+        path = Path(local_target(cfg.target.path))
         if path.is_dir():
             return str(path)
         if path.is_absolute() or cfg.target.path.startswith("."):

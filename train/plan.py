@@ -42,6 +42,7 @@ from infer.errors import NoSpaceError
 from infer.models.llama import ModelConfig
 from infer.models.output import FeatureSpec
 from train.config import FeatureMode, TargetSharding, TrainConfig, TrainerConfig
+from train.real.targets import local_target
 from train.schedule import Plan
 from train.frozen_target import resolve_sharding
 
@@ -234,7 +235,7 @@ def read_target_config(cfg: TrainConfig) -> tuple[str, ModelConfig]:
     from infer.files import read_json
     from infer.models.loader import config_from_hf, load_config, resolve_model_dir
 
-    path = cfg.target.path
+    path = local_target(cfg.target.path)
     if path is None:
         from train.tiny.build import ensure_tiny_target
 

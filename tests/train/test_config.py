@@ -12,7 +12,7 @@ from train.config import DEFAULT_RECIPE, TrainConfig, recipe_names, register_con
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 EXPECTED = {"tiny_eagle3", "tiny_eagle", "tiny_mlp", "tiny_pard", "tiny_peagle", "tiny_dflash",
             "eagle3_llama8b", "eagle3_qwen3_8b", "eagle_llama8b", "mlp_llama8b", "pard_llama8b",
-            "peagle_llama8b", "dflash_qwen3_8b", "tiny_mtp", "mtp_mimo7b"}
+            "peagle_llama8b", "dflash_qwen3_8b", "tiny_mtp", "mtp_mimo7b", "smollm2_eagle3"}
 
 
 def compose_train(overrides):
@@ -46,6 +46,14 @@ def test_llama8b_recipe_values():
     assert cfg.drafter.aux_layer_ids == [2, 16, 29] and cfg.drafter.draft_vocab_size == 32000
     assert cfg.objective.ttt_steps == 7 and cfg.trainer.lr == 1e-4
     assert cfg.trainer.mixed_precision == "bf16" and cfg.regenerate.enabled
+
+
+def test_smollm2_recipe_trains_on_the_offline_chat_set_and_evaluates_on_the_heldout_one():
+    cfg = OmegaConf.to_object(compose_train(["recipe=smollm2_eagle3"]))
+    assert cfg.target.path == "smollm2" and cfg.regenerate.enabled
+    assert (cfg.data.source, cfg.eval.dataset) == ("draftsmith:chat-train",
+                                                   "draftsmith:chat-heldout")
+    cfg.validate()
 
 
 def test_overrides_apply_on_top_of_the_recipe():

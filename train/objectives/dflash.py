@@ -53,6 +53,7 @@ from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
 from train.objectives.eagle3 import full_vocab_argmax
 from train.objectives.losses import forward_kl
 from train.objectives.pard import choose_mask_token
+from train.real.targets import verifier_name
 
 _WHERE = "train config"
 
@@ -141,7 +142,7 @@ class DFlashObjective(Objective):
             target, num_layers=d.num_layers, mask_token_id=mask, block_size=o.block_size,
             aux_layer_ids=sorted(ids), draft_vocab_size=vocab.draft_vocab_size,
             intermediate_size=d.intermediate_size,
-            verifier_name_or_path=cfg.target.path or self.target_dir)
+            verifier_name_or_path=verifier_name(cfg.target.path, self.target_dir))
         self.block, self.max_anchors, self.gamma = o.block_size, o.max_anchors, o.decay_gamma
         self.drafter = DFlashDrafter(config, with_embedding=bool(d.embed_requires_grad))
         self.drafter.share_target(heads.embed_tokens, heads.lm_head)

@@ -43,6 +43,7 @@ from train.config import LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec, from_end
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
+from train.real.targets import verifier_name
 from train.vocab import DraftVocab
 
 _WHERE = "train config"
@@ -104,7 +105,7 @@ class Eagle3Objective(TTTObjective):
         config = Eagle3Config.for_target(
             heads.config, draft_vocab_size=vocab.draft_vocab_size, aux_layer_ids=ids,
             intermediate_size=d.intermediate_size, num_layers=d.num_layers,
-            verifier_name_or_path=cfg.target.path or self.target_dir,  # hub id when given
+            verifier_name_or_path=verifier_name(cfg.target.path, self.target_dir),
             norm_before_residual=bool(d.norm_before_residual), norm_output=bool(d.norm_output),
             fc_norm=bool(d.fc_norm), norm_before_fc=bool(d.norm_before_fc),
             embed_requires_grad=bool(d.embed_requires_grad),
