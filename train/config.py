@@ -79,6 +79,11 @@ class LmHeadInit(StrChoice):
     random = "random"
 
 
+class LayerInit(StrChoice):
+    random = "random"
+    target_last = "target_last"
+
+
 class WandbMode(StrChoice):
     online = "online"
     offline = "offline"
@@ -211,6 +216,11 @@ class DrafterConfig:
     lm_head_init: LmHeadInit = LmHeadInit.target_rows
     """eagle3: start the LM head from the target's rows of the draft vocabulary (target_rows,
     +0.14 acceptance length measured, docs/benchmarks.md) or from random weights."""
+    layer_init: LayerInit = LayerInit.random
+    """eagle3: target_last starts the head as the target's last decoder layer applied to the
+    target's last aux stream (FastMTP's start for an MTP layer): its q/k/v over both halves of
+    the input, its norms, MLP and final norm, fc = identity on the last aux stream; random:
+    fresh weights."""
     embed_requires_grad: bool = False
     """eagle3: train (and ship) its own embedding instead of sharing the target's."""
     n_predict: int = 3
@@ -455,7 +465,8 @@ _SECTION_RULES = {
                 "aux_layer_ids": partial(check_list, item=check_int, optional=True),
                 "num_layers": _pos, "intermediate_size": _opt_pos, "norm_before_residual": _flag,
                 "norm_output": _flag, "fc_norm": _flag, "norm_before_fc": _flag,
-                "lm_head_init": _choice(LmHeadInit), "embed_requires_grad": _flag,
+                "lm_head_init": _choice(LmHeadInit), "layer_init": _choice(LayerInit),
+                "embed_requires_grad": _flag,
                 "n_predict": _pos, "inner_dim": _nonneg, "tie_weights": _flag,
                 "scale_input": _flag, "model": _opt_str, "mask_token_id": _opt_nonneg,
                 "init_from": _opt_str},

@@ -4,7 +4,7 @@ about the target's answers rather than about the prompts' wording.
 
 - ``draftsmith:chat-train``: instructions built deterministically from templates over subject
   lists (explanations, lists and how-tos, comparisons, creative writing, short programs,
-  arithmetic, advice). Each record is one user message and an empty assistant turn: the
+  advice, recipes, travel, troubleshooting, short emails, arithmetic). Each record is one user message and an empty assistant turn: the
   target writes the answers (``regenerate.enabled``), so the drafter learns the target's own
   distribution, as the EAGLE-3 recipes do.
 - ``draftsmith:chat-heldout``: questions written by hand for evaluation, in the phrasing of a
@@ -73,6 +73,25 @@ GOALS = ("be more productive in the morning", "stop procrastinating", "eat healt
          "write clearer emails", "negotiate a higher salary", "prepare for a long flight",
          "make my apartment feel cozier", "keep my plants alive", "learn to cook quickly")
 
+FOODS = ("pancakes", "lasagna", "sushi", "a vegetable soup", "banana bread", "a fruit salad",
+         "tacos", "chocolate chip cookies", "a green smoothie", "roast chicken", "fried rice",
+         "hummus", "an omelette", "pizza dough", "lemonade", "apple pie", "guacamole",
+         "a lentil curry", "mashed potatoes", "granola")
+PLACES = ("Paris", "Tokyo", "New York", "the Grand Canyon", "Iceland", "Kenya", "Peru", "Sydney",
+          "Venice", "the Sahara", "the Canadian Rockies", "Barcelona", "Istanbul",
+          "the Amazon rainforest", "Kyoto", "Scotland", "Morocco", "New Zealand")
+PROBLEMS = ("my phone battery drains quickly", "my bread does not rise",
+            "my houseplant is wilting", "I cannot fall asleep", "my code throws an index error",
+            "my bike chain keeps slipping", "my coffee tastes bitter", "my dog barks at night",
+            "I feel tired after lunch", "my email inbox is overflowing",
+            "my car makes a squeaking noise", "my sourdough is too sour",
+            "my cat scratches the sofa", "my Wi-Fi keeps disconnecting",
+            "my shoes give me blisters", "my rice comes out sticky")
+RECIPIENTS = ("my manager", "a teacher", "my landlord", "a friend", "a customer", "my team",
+              "a neighbor", "my grandmother")
+ABOUTS = ("a schedule change", "a late delivery", "a birthday party", "a project update",
+          "a broken heater", "a new idea", "a canceled meeting", "a thank-you for their help")
+
 TOPICS = SCIENCE + TECHNOLOGY + HISTORY + NATURE + CULTURE
 EXPLAIN = ("Explain {t} in simple terms.", "What is {t}?", "How does {t} work?",
            "Why is {t} important?", "Give me a short overview of {t}.",
@@ -90,6 +109,12 @@ CREATIVE = ("Write a short poem about {i}.", "Write a short story about {i}.",
             "Write a letter to a friend about {i}.", "Write the opening of a fairy tale about {i}.")
 CODE = ("Write a Python function that {c}.", "Show me how to write a function that {c}.",
         "Write a JavaScript function that {c}.")
+RECIPE = ("Give me a simple recipe for {f}.", "How do I make {f}?",
+          "What ingredients do I need for {f}?")
+TRAVEL = ("Plan a two-day visit to {p}.", "What should I see in {p}?",
+          "What is the best time of year to visit {p}?", "Tell me about the food in {p}.")
+TROUBLE = ("{p}. What could be wrong?", "{p}. How can I fix it?", "{p}. Any advice?")
+EMAIL = ("Write a short email to {r} about {a}.", "Write a polite message to {r} about {a}.")
 ADVICE = ("How can I {g}?", "I want to {g}. Where should I start?",
           "What are some practical ways to {g}?")
 
@@ -120,6 +145,23 @@ def _advice(rng: random.Random) -> str:
     return rng.choice(ADVICE).format(g=rng.choice(GOALS))
 
 
+def _recipe(rng: random.Random) -> str:
+    return rng.choice(RECIPE).format(f=rng.choice(FOODS))
+
+
+def _travel(rng: random.Random) -> str:
+    return rng.choice(TRAVEL).format(p=rng.choice(PLACES))
+
+
+def _trouble(rng: random.Random) -> str:
+    problem = rng.choice(PROBLEMS)
+    return rng.choice(TROUBLE).format(p=problem[0].upper() + problem[1:])
+
+
+def _email(rng: random.Random) -> str:
+    return rng.choice(EMAIL).format(r=rng.choice(RECIPIENTS), a=rng.choice(ABOUTS))
+
+
 def _arithmetic(rng: random.Random) -> str:
     a, b = rng.randint(2, 99), rng.randint(2, 99)
     return rng.choice((f"What is {a} plus {b}?", f"What is {a} times {b}?",
@@ -132,7 +174,8 @@ def _arithmetic(rng: random.Random) -> str:
 KINDS: dict[str, tuple[Callable[[random.Random], str], int]] = {
     "explain": (_explain, 8), "howto": (_howto, 4), "compare": (_compare, 2),
     "creative": (_creative, 3), "code": (_code, 2), "advice": (_advice, 2),
-    "arithmetic": (_arithmetic, 1)}
+    "recipe": (_recipe, 2), "travel": (_travel, 2), "trouble": (_trouble, 2),
+    "email": (_email, 2), "arithmetic": (_arithmetic, 1)}
 
 
 def training_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -39,7 +39,7 @@ from infer.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
-from train.config import LmHeadInit
+from train.config import LayerInit, LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec, from_end
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
@@ -115,6 +115,8 @@ class Eagle3Objective(TTTObjective):
         self.argmax_weight = float(cfg.objective.argmax_weight)
         if d.lm_head_init == LmHeadInit.target_rows:
             init_lm_head(self.drafter, heads.lm_head, vocab.target_ids())
+        if d.layer_init == LayerInit.target_last:
+            init_from_last_layer(self.drafter, target_dir, heads.config.num_layers)
         if self.drafter.embed_tokens is not None:  # trained: start from the target's
             with torch.no_grad():
                 self.drafter.embed_tokens.weight.copy_(heads.embed_tokens.weight)
@@ -233,6 +235,37 @@ def init_lm_head(drafter: Eagle3Drafter, head: torch.nn.Linear, target_ids: Tens
                            f"{tuple(weight.shape)}", _WHERE)
     with torch.no_grad():
         weight.copy_(rows.to(weight.dtype))
+
+
+def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path, num_layers: int) -> None:
+    """``drafter.layer_init=target_last``: layer 0 := the target's last decoder layer reading
+    ``hidden_norm(g) + input_layernorm(embeds)`` through its own q/k/v (both halves of the 2H
+    input get the target's projection, as FastMTP's ``[I | I]`` input projection), both input
+    norms the target's input norm, the final norm the target's, and ``fc`` the identity on the
+    last aux stream, so the head starts as one more target layer over the target's deepest
+    captured state, and training moves it to predicting one token further."""
+    from infer.files import open_safetensors
+    from infer.models.loader import weight_files
+
+    prefix, state = f"model.layers.{num_layers - 1}.", {}
+    for file in weight_files(Path(target_dir)):
+        with open_safetensors(file) as f:
+            state.update({k.removeprefix(prefix): f.get_tensor(k).float() for k in f.keys()
+                          if k.startswith(prefix) or k == "model.norm.weight"})
+    layer, h = drafter.layers[0], drafter.config.layer.hidden_size
+    with torch.no_grad():
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            w = state[f"self_attn.{proj}.weight"]  # [out, H]
+            getattr(layer.self_attn, proj).weight.copy_(torch.cat([w, w], dim=1))
+        for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            layer.get_submodule(name).weight.copy_(state[f"{name}.weight"])
+        for norm in ("input_layernorm", "hidden_norm"):
+            getattr(layer, norm).weight.copy_(state["input_layernorm.weight"])
+        layer.post_attention_layernorm.weight.copy_(state["post_attention_layernorm.weight"])
+        drafter.norm.weight.copy_(state["model.norm.weight"])
+        fc = drafter.fc.weight  # [H, n_aux * H]: the aux streams in sorted id order
+        fc.zero_()
+        fc[:, -h:] = torch.eye(h)
 
 
 def load_init(drafter: Eagle3Drafter, init: Eagle3Drafter, path: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -442,3 +443,27 @@ def test_norm_before_fc_is_a_drafter_key(env, train_data):
     obj = build("eagle3", env, train_data, norm_before_fc=True)
     assert obj.drafter.config.norm_before_fc and obj.drafter.input_norm is not None
     assert build("eagle3", env, train_data).drafter.input_norm is None
+
+
+def test_layer_init_target_last_starts_from_the_targets_last_layer(env, train_data):
+    from safetensors.torch import load_file
+
+    from infer.models.loader import weight_files
+
+    obj = build("eagle3", env, train_data, layer_init="target_last")
+    state = {}
+    for file in weight_files(Path(train_data.target_dir)):
+        state.update(load_file(file))
+    last = f"model.layers.{env[1].config.num_layers - 1}."
+    layer, h = obj.drafter.layers[0], obj.drafter.config.layer.hidden_size
+    for proj in ("q_proj", "k_proj", "v_proj"):  # both halves of the 2H input
+        w = getattr(layer.self_attn, proj).weight
+        assert torch.equal(w[:, :h], state[last + f"self_attn.{proj}.weight"])
+        assert torch.equal(w[:, h:], state[last + f"self_attn.{proj}.weight"])
+    assert torch.equal(layer.mlp.down_proj.weight, state[last + "mlp.down_proj.weight"])
+    assert torch.equal(layer.hidden_norm.weight, state[last + "input_layernorm.weight"])
+    assert torch.equal(obj.drafter.norm.weight, state["model.norm.weight"])
+    fc = obj.drafter.fc.weight  # identity on the last aux stream, nothing from the others
+    assert torch.equal(fc[:, -h:], torch.eye(h)) and not fc[:, :-h].any()
+    fresh = build("eagle3", env, train_data).drafter.layers[0].mlp.down_proj.weight
+    assert not torch.equal(fresh, layer.mlp.down_proj.weight)
