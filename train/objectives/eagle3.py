@@ -39,7 +39,7 @@ from infer.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
-from train.config import LayerInit, LmHeadInit
+from train.config import LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec, from_end
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
@@ -115,7 +115,7 @@ class Eagle3Objective(TTTObjective):
         self.argmax_weight = float(cfg.objective.argmax_weight)
         if d.lm_head_init == LmHeadInit.target_rows:
             init_lm_head(self.drafter, heads.lm_head, vocab.target_ids())
-        if d.layer_init == LayerInit.target_last:
+        if d.layer_from_target:
             init_from_last_layer(self.drafter, target_dir, heads.config.num_layers)
         if self.drafter.embed_tokens is not None:  # trained: start from the target's
             with torch.no_grad():
@@ -238,7 +238,7 @@ def init_lm_head(drafter: Eagle3Drafter, head: torch.nn.Linear, target_ids: Tens
 
 
 def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path, num_layers: int) -> None:
-    """``drafter.layer_init=target_last``: layer 0 := the target's last decoder layer reading
+    """``drafter.layer_from_target``: layer 0 := the target's last decoder layer reading
     ``hidden_norm(g) + input_layernorm(embeds)`` through its own q/k/v (both halves of the 2H
     input get the target's projection, as FastMTP's ``[I | I]`` input projection), both input
     norms the target's input norm, the final norm the target's, and ``fc`` the identity on the

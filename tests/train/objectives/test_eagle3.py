@@ -445,12 +445,12 @@ def test_norm_before_fc_is_a_drafter_key(env, train_data):
     assert build("eagle3", env, train_data).drafter.input_norm is None
 
 
-def test_layer_init_target_last_starts_from_the_targets_last_layer(env, train_data):
+def test_layer_from_target_starts_from_the_targets_last_layer(env, train_data):
     from safetensors.torch import load_file
 
     from infer.models.loader import weight_files
 
-    obj = build("eagle3", env, train_data, layer_init="target_last")
+    obj = build("eagle3", env, train_data, layer_from_target=True)
     state = {}
     for file in weight_files(Path(train_data.target_dir)):
         state.update(load_file(file))
