@@ -58,17 +58,22 @@ def named_model(cfg: InferConfig) -> tuple[str, list | None]:
     template), and its recipe's trained head when ``train.py recipe=smollm2_eagle3`` made it."""
     from train.real.targets import NAMED_TARGETS, local_target
 
+    from infer.cli import with_default_head, without_unpaired_drafts
     from infer.drafters.common import token_map_entry
     from infer.eval.chat_prompts import HELDOUT
     from infer.files import load_tokenizer
 
-    head = Path("outputs") / NAMED_TARGETS[cfg.model].recipe / "final"
+    recipe = NAMED_TARGETS[cfg.model].recipe
+    head = Path("outputs") / recipe / "final"
+    head = head if (head / "config.json").is_file() else None
     target = local_target(cfg.model)
-    if cfg.speculative_config is None and (head / "config.json").is_file():
+    if cfg.speculative_config is None and head is not None:
         cfg.speculative_config = {"method": "eagle3", "model": str(head),
                                   "num_speculative_tokens": 3, **token_map_entry(head)}
     if cfg.mode == "eval":
         cfg.eval.dataset = cfg.eval.dataset or "draftsmith:chat-heldout"
+        cfg.eval.methods = with_default_head(without_unpaired_drafts(cfg.eval.methods), head,
+                                             recipe)
         return target, None
     tokenizer = load_tokenizer(target)
     return target, [tokenizer.apply_chat_template([{"role": "user", "content": q}],

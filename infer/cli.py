@@ -135,14 +135,26 @@ def with_default_draft(methods: list[Any], draft: str) -> list[dict]:
     return out
 
 
-def with_default_head(methods: list[dict], head) -> list[dict]:
-    """Add the default recipe's trained EAGLE-3 head (when ``head`` is a path) to the matrix."""
+def with_default_head(methods: list[dict], head, name: str = "tiny_eagle3") -> list[dict]:
+    """Add a recipe's trained EAGLE-3 head (when ``head`` is a path) to the matrix, labelled
+    ``name`` (the recipe: the default one, or a named real target's)."""
     if head is None or any(m.get("model") == str(head) for m in methods):
         return methods
     from infer.drafters.common import token_map_entry
 
-    return methods + [{"method": "eagle3", "model": str(head), "name": "tiny_eagle3",
+    return methods + [{"method": "eagle3", "model": str(head), "name": name,
                        **token_map_entry(head)}]
+
+
+def without_unpaired_drafts(methods: list[Any]) -> list[Any]:
+    """``methods`` less the ``draft_model`` entries without a ``model``: a real target has no
+    draft LM of its own to complete them with (the tiny target does), so they are left out with
+    a note instead of failing the evaluation."""
+    kept = [m for m in methods if m.get("method") != "draft_model" or m.get("model")]
+    if len(kept) < len(methods):
+        print("eval: this target has no paired draft LM; the draft_model row is skipped (give "
+              "eval.methods a draft_model entry with a model)")
+    return kept
 
 
 def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> list[Any]:
