@@ -4,11 +4,13 @@ about the target's answers rather than about the prompts' wording.
 
 - ``draftsmith:chat-train``: instructions built deterministically from templates over subject
   lists (explanations, lists and how-tos, comparisons, creative writing, short programs,
-  advice, recipes, travel, troubleshooting, short emails, arithmetic). Each record is one user message and an empty assistant turn: the
-  target writes the answers (``regenerate.enabled``), so the drafter learns the target's own
-  distribution, as the EAGLE-3 recipes do.
+  advice, recipes, travel, troubleshooting, short emails, arithmetic). Each record is one user
+  message and an empty assistant turn: the target writes the answers
+  (``regenerate.enabled``), so the drafter learns the target's own distribution, as the
+  EAGLE-3 recipes do.
 - ``draftsmith:chat-heldout``: questions written by hand for evaluation, in the phrasing of a
-  person asking an assistant; none of them is a training prompt (checked at load).
+  person asking an assistant; none of them is a training prompt, nor a template away from one
+  (tests/infer/eval/test_chat_prompts.py).
 
 Both are read through :func:`infer.data_sources.load_source` (``data.source=`` /
 ``eval.dataset=``), so they go through exactly the code path of a user's own dataset.
@@ -73,7 +75,7 @@ GOALS = ("be more productive in the morning", "stop procrastinating", "eat healt
          "write clearer emails", "negotiate a higher salary", "prepare for a long flight",
          "make my apartment feel cozier", "keep my plants alive", "learn to cook quickly")
 
-FOODS = ("pancakes", "lasagna", "sushi", "a vegetable soup", "banana bread", "a fruit salad",
+FOODS = ("lasagna", "sushi", "a vegetable soup", "banana bread", "a fruit salad",
          "tacos", "chocolate chip cookies", "a green smoothie", "roast chicken", "fried rice",
          "hummus", "an omelette", "pizza dough", "lemonade", "apple pie", "guacamole",
          "a lentil curry", "mashed potatoes", "granola")
@@ -109,7 +111,7 @@ CREATIVE = ("Write a short poem about {i}.", "Write a short story about {i}.",
             "Write a letter to a friend about {i}.", "Write the opening of a fairy tale about {i}.")
 CODE = ("Write a Python function that {c}.", "Show me how to write a function that {c}.",
         "Write a JavaScript function that {c}.")
-RECIPE = ("Give me a simple recipe for {f}.", "How do I make {f}?",
+RECIPE = ("What is a good way to cook {f} for beginners?", "How do I make {f}?",
           "What ingredients do I need for {f}?")
 TRAVEL = ("Plan a two-day visit to {p}.", "What should I see in {p}?",
           "What is the best time of year to visit {p}?", "Tell me about the food in {p}.")

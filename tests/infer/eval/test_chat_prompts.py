@@ -1,5 +1,6 @@
 """The offline chat prompt sets (infer/eval/chat_prompts.py) through the shared dataset reader."""
 
+import re
 from collections import Counter
 
 import pytest
@@ -25,6 +26,17 @@ def test_heldout_questions_are_disjoint_from_any_training_prompt():
     assert len(held) == len(cp.HELDOUT) >= 64  # batch 8 x 8 requests per slot
     for seed in range(3):
         assert not held & {p for _, p in cp.training_prompts(3000, seed=seed)}
+
+
+def test_no_heldout_question_is_a_template_away_from_a_training_prompt():
+    """Of another origin: no training prompt shares 70 % of a held-out question's words."""
+    def words(text):
+        return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+    train = [words(p) for _, p in cp.training_prompts(4000, seed=0)]
+    for question in cp.HELDOUT:
+        q = words(question)
+        assert max(len(q & t) / len(q | t) for t in train) < 0.7, question
 
 
 def test_builtin_sets_load_through_the_shared_reader():
