@@ -1,7 +1,7 @@
 """A GGUF checkpoint -> a Hugging Face model folder that the engine, transformers and vLLM load.
 
 Real instruct models reach this machine only as GGUF files inside registry packages (the
-SmolLM2 target: train/real/smollm2.py). transformers reads GGUF with the ``gguf`` package and
+SmolLM2 target: train/real/targets.py). transformers reads GGUF with the ``gguf`` package and
 dequantizes it at load (``from_pretrained(folder, gguf_file=name)``), but transformers 5 refuses
 ``save_pretrained`` and ``.float()`` on such a model. So the conversion is done by hand, once:
 
@@ -113,7 +113,7 @@ def _write_weights(model, folder: Path) -> None:
     from safetensors.torch import save_file
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    state = {name: t.detach().to(torch.float32).contiguous().clone()
+    state = {name: t.detach().to(torch.float32).contiguous()
              for name, t in model.state_dict().items()
              if not (tied and name == "lm_head.weight")}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

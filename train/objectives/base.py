@@ -52,6 +52,24 @@ def from_end(ids, num_layers: int) -> list:
             else k for k in ids]
 
 
+def last_layer_state(target_dir: str | Path, num_layers: int) -> tuple[dict[str, Tensor], Tensor]:
+    """The target's last decoder layer (names without ``model.layers.{n - 1}.``) and its final
+    norm, float32, read from the checkpoint: the start of a head built from the target (the MTP
+    objective's fresh layer, EAGLE-3's ``drafter.layer_from_target``)."""
+    from infer.files import open_safetensors
+    from infer.models.loader import weight_files
+
+    prefix, layer, norm = f"model.layers.{num_layers - 1}.", {}, None
+    for file in weight_files(Path(target_dir)):
+        with open_safetensors(file) as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    layer[name.removeprefix(prefix)] = f.get_tensor(name).float()
+                elif name == "model.norm.weight":
+                    norm = f.get_tensor(name).float()
+    return layer, norm
+
+
 class StageData(StrChoice):
     """The rows a training stage reads."""
 

@@ -40,7 +40,7 @@ from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.validation import config_error
 from train.config import LmHeadInit
-from train.objectives.base import OBJECTIVES, FeatureSpec, from_end
+from train.objectives.base import OBJECTIVES, FeatureSpec, from_end, last_layer_state
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
 from train.real.targets import verifier_name
@@ -244,14 +244,7 @@ def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path, num_lay
     norms the target's input norm, the final norm the target's, and ``fc`` the identity on the
     last aux stream, so the head starts as one more target layer over the target's deepest
     captured state, and training moves it to predicting one token further."""
-    from infer.files import open_safetensors
-    from infer.models.loader import weight_files
-
-    prefix, state = f"model.layers.{num_layers - 1}.", {}
-    for file in weight_files(Path(target_dir)):
-        with open_safetensors(file) as f:
-            state.update({k.removeprefix(prefix): f.get_tensor(k).float() for k in f.keys()
-                          if k.startswith(prefix) or k == "model.norm.weight"})
+    state, final_norm = last_layer_state(target_dir, num_layers)
     layer, h = drafter.layers[0], drafter.config.layer.hidden_size
     with torch.no_grad():
         for proj in ("q_proj", "k_proj", "v_proj"):
@@ -262,7 +255,7 @@ def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path, num_lay
         for norm in ("input_layernorm", "hidden_norm"):
             getattr(layer, norm).weight.copy_(state["input_layernorm.weight"])
         layer.post_attention_layernorm.weight.copy_(state["post_attention_layernorm.weight"])
-        drafter.norm.weight.copy_(state["model.norm.weight"])
+        drafter.norm.weight.copy_(final_norm)
         fc = drafter.fc.weight  # [H, n_aux * H]: the aux streams in sorted id order
         fc.zero_()
         fc[:, -h:] = torch.eye(h)

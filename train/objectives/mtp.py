@@ -33,10 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.mtp import PREFIX, MTPDrafter, num_mtp_layers
-from infer.files import open_safetensors, read_json
+from infer.files import read_json
 from infer.models.llama import ModelConfig
-from infer.models.loader import weight_files
-from train.objectives.base import OBJECTIVES, FeatureSpec
+from train.objectives.base import OBJECTIVES, FeatureSpec, last_layer_state
 from train.objectives.ttt import TTTObjective, shift_left
 from train.stitch import write_stitched
 
@@ -96,14 +95,9 @@ def from_last_layer(target_dir: str | Path, target: ModelConfig) -> MTPDrafter:
                   architecture="MiMoForCausalLM")
     drafter = MTPDrafter(cfg, 1)
     layer, h = drafter.mtp_layers[0], target.hidden_size
-    last = f"model.layers.{target.num_layers - 1}."
-    state = {}
-    for file in weight_files(Path(target_dir)):
-        with open_safetensors(file) as f:
-            state.update({k.removeprefix(last): f.get_tensor(k).float()
-                          for k in f.keys() if k.startswith(last)})
-            if "model.norm.weight" in f.keys():  # o feeds the LM head as the target's norm does
-                state["final_layernorm.weight"] = f.get_tensor("model.norm.weight").float()
+    state, norm = last_layer_state(target_dir, target.num_layers)
+    if norm is not None:  # o feeds the LM head as the target's norm does
+        state["final_layernorm.weight"] = norm
     with torch.no_grad():
         for proj in ("q_proj", "k_proj", "v_proj"):
             getattr(layer.self_attn, proj).bias.zero_()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from infer.atomic import remove_leftovers, write_text
 from infer.errors import MissingFileError, UserError
 from train.tiny.corpus import default_cache_dir
 
-log = logging.getLogger(__name__)
 MARKER = "draftsmith_source.json"
 CONVERTER_VERSION = 1  # bump when the conversion's output changes
 
@@ -84,7 +82,6 @@ def ensure_named_target(name: str, cache: Path | None = None) -> Path:
     with FileLock(str(dest.parent / f".{dest.name}.lock")):
         remove_leftovers(dest)
         if _marker(dest) != source:
-            log.info("converting %s %s (%s) into %s", target.package, version, gguf.name, dest)
             print(f"converting {gguf.name} from {target.package} {version} into {dest} "
                   "(once; float32 safetensors)", flush=True)
             convert_gguf(gguf, dest)
