@@ -149,7 +149,7 @@ class RegenerateConfig:
     """Requests decoded together (the engine's max_num_seqs). Sampled answers depend on it, so
     a sampled regeneration resumes only with the same value; greedy answers do not."""
     max_model_len: Optional[int] = None
-    """Context length of the rewrite; None: the target's."""
+    """Context length of the rewrite; None: data.max_length + max_tokens (within the target's)."""
     num_examples: Optional[int] = None
     """Regenerate only the first N examples; None: all."""
     engine: EvalEngine = EvalEngine.draftsmith

@@ -213,7 +213,8 @@ def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: 
         raw = raw.select(range(min(n, len(raw))))
     return regenerate(raw, target_dir, cfg.regenerate, cfg.run_dir / name,
                       format=cfg.data.format, seed=cfg.seed, device=cfg.trainer.device,
-                      template_kwargs=cfg.data.template_kwargs)
+                      template_kwargs=cfg.data.template_kwargs,
+                      context=cfg.data.max_length + cfg.regenerate.max_tokens)
 
 
 def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = True

@@ -199,7 +199,7 @@ class Regenerator:
     """One engine over the target; ``rewrite(jobs)`` fills each job's ``done`` answers."""
 
     def __init__(self, target_dir: str, cfg, seed: int, device: str,
-                 template_kwargs: dict[str, Any] | None = None):
+                 template_kwargs: dict[str, Any] | None = None, context: int | None = None):
         from infer.files import load_tokenizer
 
         from infer import LLM, SamplingParams
@@ -208,15 +208,16 @@ class Regenerator:
         if not tok.chat_template:
             raise ValueError(f"{_WHERE}: the tokenizer of {target_dir} has no chat_template; "
                              "regeneration renders prompts with it")
+        max_len = cfg.max_model_len or _context_len(target_dir, context)
         if str(cfg.engine) == "vllm":  # one vLLM for the whole rewrite
             from infer.eval.vllm_engine import VllmSession
 
             self.llm = VllmSession(target_dir, python=cfg.vllm_python,
-                                   max_num_seqs=cfg.batch_size, max_model_len=cfg.max_model_len,
+                                   max_num_seqs=cfg.batch_size, max_model_len=max_len,
                                    tensor_parallel_size=cfg.tensor_parallel_size, seed=seed)
         else:
-            self.llm = LLM(target_dir, max_num_seqs=cfg.batch_size,
-                           max_model_len=cfg.max_model_len, seed=seed, device=device)
+            self.llm = LLM(target_dir, max_num_seqs=cfg.batch_size, max_model_len=max_len,
+                           seed=seed, device=device)
         self.added = added_special_tokens(tok)
         self.template_kwargs = dict(template_kwargs or {})
         self.terminator = _terminator(tok, self.template_kwargs)
@@ -294,6 +295,18 @@ class Regenerator:
 
 # ----------------------------------------------------------------------------- entry point
 
+def _context_len(target_dir: str, context: int | None) -> int | None:
+    """``regenerate.max_model_len`` unset: ``context`` (what training keeps of a row plus one
+    answer) within the target's positions, so 32 rows do not reserve a KV cache for the model's
+    whole context (SmolLM2: 8,192 positions, engine-capped at 4,096: ~6 GB); None: the engine's
+    default."""
+    if context is None:
+        return None
+    from infer.models.loader import load_config
+
+    return min(context, load_config(target_dir).max_position_embeddings)
+
+
 def _chunk_path(out_dir: Path, i: int) -> Path:
     return out_dir / f"chunk_{i:05d}.jsonl"
 
@@ -301,10 +314,12 @@ def _chunk_path(out_dir: Path, i: int) -> Path:
 def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | Path, *,
                format: str | None = None, seed: int = 0, device: str = "auto",
                progress: bool = True, chunk_size: int = 256,
-               template_kwargs: dict[str, Any] | None = None) -> datasets.Dataset:
+               template_kwargs: dict[str, Any] | None = None,
+               context: int | None = None) -> datasets.Dataset:
     """``dataset`` (same format, its columns plus ``TRUNCATED_COLUMN``) with every assistant
     answer written by the target; resumes from the chunks already in ``out_dir`` (see the module
-    doc)."""
+    doc). ``context``: the engine's length when ``cfg.max_model_len`` is unset (the pipeline:
+    ``data.max_length + max_tokens``)."""
     validate_section("regenerate", cfg)  # a RegenerateConfig
     check_int("chunk_size", chunk_size, _WHERE, minimum=1)
     fmt = detect_format(dataset.column_names, format)
@@ -325,7 +340,7 @@ def regenerate(dataset: datasets.Dataset, target_dir: str, cfg, out_dir: str | P
     n_chunks = -(-len(dataset) // chunk_size)
     missing = [i for i in range(n_chunks) if not _chunk_path(out_dir, i).exists()]
     if missing:
-        gen = Regenerator(target_dir, cfg, seed, device, kwargs)
+        gen = Regenerator(target_dir, cfg, seed, device, kwargs, context)
         try:
             _generate_chunks(dataset, gen, out_dir, fmt, seed, progress, chunk_size, missing)
         finally:

@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from infer import LLM, SamplingParams
+from infer.models.loader import load_config
 from infer.request import CompletionOutput
 from train.config import RegenerateConfig
 from train.data import prepare_dataset
@@ -305,3 +306,17 @@ def test_vllm_session_rewrites_the_same_greedy_answers(tmp_path, tmp_path_factor
     theirs = regenerate(ds, target, cfg, tmp_path / "vllm", device="cpu", progress=False)
     assert theirs.to_list() == ours.to_list()
     assert ours.to_list() != ds.to_list()  # answers were rewritten
+
+
+def test_unset_max_model_len_is_what_training_keeps(tmp_path, train_target):
+    """max_model_len unset: the engine gets ``context`` (the pipeline's data.max_length +
+    max_tokens), so the long prompt is kept as with max_model_len 40; without a context the
+    engine's own default applies, and a context beyond the target's positions is capped."""
+    rows = [{"messages": [{"role": "user", "content": "x = 1\u2028\n" * 30},
+                          {"role": "assistant", "content": "a"}]}]
+    out = regenerate(datasets.Dataset.from_list(rows), train_target, CFG, tmp_path,
+                     device="cpu", progress=False, context=40)
+    assert out[0]["messages"][1]["content"] == "a"
+    positions = Regenerator(train_target, CFG, 0, "cpu", context=10**6).llm.max_model_len
+    assert positions == load_config(train_target).max_position_embeddings
+    assert Regenerator(train_target, CFG, 0, "cpu", context=48).llm.max_model_len == 48

@@ -246,6 +246,11 @@ def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path, num_lay
     captured state, and training moves it to predicting one token further."""
     state, final_norm = last_layer_state(target_dir, num_layers)
     layer, h = drafter.layers[0], drafter.config.layer.hidden_size
+    have, want = layer.mlp.gate_proj.weight.shape, state["mlp.gate_proj.weight"].shape
+    if have != want:  # [intermediate, H]: only the widths of the target's own layer fit
+        raise config_error("drafter.intermediate_size", have[0],
+                           f"{want[0]}, the target's MLP width, with drafter.layer_from_target "
+                           "(or layer_from_target false)", _WHERE)
     with torch.no_grad():
         for proj in ("q_proj", "k_proj", "v_proj"):
             w = state[f"self_attn.{proj}.weight"]  # [out, H]

@@ -467,3 +467,9 @@ def test_layer_from_target_starts_from_the_targets_last_layer(env, train_data):
     assert torch.equal(fc[:, -h:], torch.eye(h)) and not fc[:, :-h].any()
     fresh = build("eagle3", env, train_data).drafter.layers[0].mlp.down_proj.weight
     assert not torch.equal(fresh, layer.mlp.down_proj.weight)
+
+
+def test_layer_from_target_refuses_a_head_of_another_width(env, train_data):
+    width = env[1].config.intermediate_size + 8
+    with pytest.raises(ValueError, match=rf"drafter\.intermediate_size.*{width}.*MLP width"):
+        build("eagle3", env, train_data, layer_from_target=True, intermediate_size=width)
