@@ -57,7 +57,7 @@ demo-real: install real
 
 # the GPU verdict in one command (scripts/gpu_check.py): CUDA tests, decode vs transformers and
 # the roofline at 1B / 8B shapes, draft step costs, Triton sampler, a training step; appends a
-# dated section to docs/benchmarks.md. Without a GPU it runs at tiny shapes on the CPU.
+# dated section to docs/benchmarks-history.md. Without a GPU it runs at tiny shapes on the CPU.
 gpu-check: dev
 	$(PY) scripts/gpu_check.py --record
 

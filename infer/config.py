@@ -103,7 +103,7 @@ class EvalConfig:
     finish one by one while the batch empties, and a speculative run's requests finish at
     different steps (their acceptance differs by prompt) where autoregressive ones finish
     together. With 2 requests per slot the drain took ~20 % of the trained EAGLE-3 head's
-    batch-8 steps, with 8 ~4 % (docs/benchmarks.md); a server kept at that concurrency has
+    batch-8 steps, with 8 ~4 % (docs/benchmarks-history.md); a server kept at that concurrency has
     none. 0: num_prompts at every batch size."""
     dataset: Optional[str] = None
     """json/jsonl/csv/parquet file, dataset folder or hub id; None: the held-out code prompts."""
@@ -120,7 +120,7 @@ class EvalConfig:
     """Generate max_tokens per prompt even past EOS, as vLLM's benchmarks do: every run then does
     the same work, which sampled rows need (each run samples other sequences, and at T=1 their
     lengths differed by up to 30 %, so tokens/s compared unequal work: an n-gram row that never
-    drafts read 1.14x over three rounds, docs/benchmarks.md). False: stop at EOS as a server
+    drafts read 1.14x over three rounds, docs/benchmarks-history.md). False: stop at EOS as a server
     would."""
     warmup: bool = True
     """Untimed warm-up before each timed run (on CUDA: the whole run, to capture graphs)."""

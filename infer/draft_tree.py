@@ -4,7 +4,7 @@ Why: on a small target a verify forward's cost barely grows with its token count
 1.07 one-token forwards on the tiny target, 16 cost 1.26), while every head forward costs a fixed
 0.13-0.25 of one. Hanging the head's next-best tokens at each chain position as leaves adds
 verify tokens but no head forward: when draft ``i`` is rejected and the target's token is one of
-its siblings, the step keeps that sibling and the target's token after it (docs/benchmarks.md,
+its siblings, the step keeps that sibling and the target's token after it (docs/benchmarks-history.md,
 "Sibling leaves": +11 % acceptance at k=3 with one sibling per depth).
 
 Layout of one row's ``T = 1 + k * (1 + S)`` verify tokens (per depth, so that a row with fewer

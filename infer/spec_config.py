@@ -154,7 +154,7 @@ class SpeculativeConfig:
     # verify each draft's next-best head tokens beside it (infer/draft_tree.py); 0 = a chain
     draft_tree_siblings: int = 0
     # a step with more running requests keeps the chain: the tree's larger verify forward pays
-    # where verify tokens are nearly free (on the CPU: batch <= 2; docs/benchmarks.md)
+    # where verify tokens are nearly free (on the CPU: batch <= 2; docs/benchmarks-history.md)
     draft_tree_max_batch: int = 2
     # draftsmith's own (SGLang's key; vLLM has none): a JSON file {"token_ids": [...]}; an eagle3
     # head drafting greedily computes logits over those of its draft tokens only (FR-Spec)

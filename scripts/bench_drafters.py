@@ -8,7 +8,7 @@ Trains each recipe exactly as ``python train.py recipe=NAME`` does (into
 training tokens/s, then runs one acceptance harness over held-out code prompts with every trained
 drafter, n-gram and the untrained tiny draft LM at each k: acceptance length, per-position rates,
 tokens/s and speedup against autoregressive decoding, greedy, batch 1, on the same engine.
-``--record`` appends both tables to docs/benchmarks.md.
+``--record`` appends both tables to docs/benchmarks-history.md.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
     text = render(args, train_rows, report)
     print(text)
     if args.record:
-        with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+        with open(ROOT / "docs" / "benchmarks-history.md", "a") as f:
             f.write("\n" + text + "\n")
 
 

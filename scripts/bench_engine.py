@@ -14,7 +14,7 @@ transformers' (a shared machine's load moves both alike). Greedy decoding; fp32 
 as torch sets them). On CUDA the engine's steps are CUDA graphs, so an extra row
 runs the same decoding with ``enforce_eager=True``, and the roofline line compares the decode
 step with the time to stream the weights once at the GPU's memory bandwidth. ``--record``
-appends the table to docs/benchmarks.md. ``python infer.py mode=eval`` is the fuller version
+appends the table to docs/benchmarks-history.md. ``python infer.py mode=eval`` is the fuller version
 (a method x k x temperature x batch matrix, the k advisor, plots, W&B).
 """
 
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per row, alternating with transformers'; the median is reported")
-    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
+    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks-history.md")
     args = ap.parse_args()
 
     target, draft = str(ensure_tiny_target()), str(default_draft_dir())
@@ -214,7 +214,7 @@ def main() -> None:
     table = header + "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes if n)
     print(table)
     if args.record:
-        path = Path("docs/benchmarks.md")
+        path = Path("docs/benchmarks-history.md")
         if not path.exists():
             path.write_text("# Benchmarks\n\nEvery number here comes from a script in scripts/; "
                             "the command and machine are given with each table.\n")

@@ -13,7 +13,7 @@ in one chunk) at p50 / p99, time per output token (p50 of (end - first token) / 
 and the acceptance length from the server's own ``vllm:spec_decode_*`` counters. Every row is
 the median over ``--repeats``; within a repeat the engines alternate (a shared machine's load
 moves both alike). Greedy, ``max_num_seqs`` 32, ``max_model_len`` 1024, fp32 on CPU.
-``--record`` appends the table to docs/benchmarks.md.
+``--record`` appends the table to docs/benchmarks-history.md.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-python", help="a Python with vLLM: also run `vllm serve`")
-    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
+    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks-history.md")
     args = ap.parse_args()
     if args.model is None:
         from train.tiny.build import ensure_tiny_target
@@ -284,7 +284,7 @@ def report(runs: list[Run], args, spec: dict) -> None:
             + table(runs) + "\n")
     print(text)
     if args.record:
-        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+        with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
             f.write(text)
 
 

@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
+    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks-history.md")
     args = ap.parse_args()
     default = torch.get_num_threads()
     policies = {f"fixed-{default} (before)": default, "fixed-1": 1, "auto": None}
@@ -106,7 +106,7 @@ def main() -> None:
     table = render(results, policies, args)
     print(table)
     if args.record:
-        with open(ROOT / "docs" / "benchmarks.md", "a", encoding="utf-8") as f:
+        with open(ROOT / "docs" / "benchmarks-history.md", "a", encoding="utf-8") as f:
             f.write("\n" + table + "\n")
 
 

@@ -1,7 +1,7 @@
 """The GPU verdict in one command: ``make gpu-check`` (``python scripts/gpu_check.py --record``).
 
 GPUs are lent for minutes, so everything the GPU path needs proving runs here in one go and
-leaves numbers behind (a dated section appended to docs/benchmarks.md with ``--record``):
+leaves numbers behind (a dated section appended to docs/benchmarks-history.md with ``--record``):
 
 1. ``pytest -m cuda`` (the CUDA tests: graphs, Triton sampler, device placement);
 2. decode tokens/s with random weights at real shapes (Llama-3.2-1B and Llama-3.1-8B configs,
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and batch sizes")
-    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks.md")
+    ap.add_argument("--record", action="store_true", help="append to docs/benchmarks-history.md")
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"comma-separated, run in this order (default: all of {','.join(PARTS)}); "
                          "one process per part keeps a slow part from costing the others")
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> str:
     text = run(device, args.quick, parts)
     print(text)
     if args.record:
-        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+        with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
             f.write(text)
     return text
 

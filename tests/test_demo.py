@@ -2,7 +2,7 @@
 
 Reads the results.json that ``python train.py`` wrote, named by ``DRAFTSMITH_DEMO_RESULTS``
 (``.ci/run`` sets it after running the demo); skipped without it, so the suite itself never
-trains for minutes. The floors sit well under what the demo measures (docs/benchmarks.md:
+trains for minutes. The floors sit well under what the demo measures (docs/benchmarks-history.md:
 acceptance length ~2.4 at k=3 greedy, ~1.9-2.0 sampled at temperature 1) and above what a broken
 or untrained head reaches (the untrained draft LM: ~1.6 greedy; a head that never matches: 1.0), so a
 regression in training, export or drafting fails here and noise does not. Speed is measured by
@@ -77,7 +77,7 @@ def test_parallel_drafter_beats_the_untrained_draft_lm(path):
     """``DRAFTSMITH_PARALLEL_RESULTS``: results.json files of ``python train.py recipe=NAME``
     (``outputs/NAME/eval/results.json``, os.pathsep-separated). The trained drafter (rows
     labelled NAME) must be lossless, clear a floor well under what it measures
-    (docs/benchmarks.md) and beat the untrained draft LM on the same prompts and k, greedy."""
+    (docs/benchmarks-history.md) and beat the untrained draft LM on the same prompts and k, greedy."""
     if path is None:
         pytest.skip("DRAFTSMITH_PARALLEL_RESULTS not set (.ci/run sets it after training)")
     report = json.loads(path.read_text())

@@ -1,5 +1,6 @@
-"""Structural rules of the package layout (DESIGN.md): the dependency direction train -> infer,
-no import cycles, and helpers that ``train/`` uses from ``infer/`` importable without the engine.
+"""Structural rules of the package layout (docs/design.md, "Invariants" and "Conventions"): the
+dependency direction train -> infer, no import cycles, and helpers that ``train/`` uses from
+``infer/`` importable without the engine.
 
 Imports are read from the source with ``ast`` (module level and inside functions alike), so a
 lazy import cannot hide a cycle.

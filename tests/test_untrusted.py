@@ -1,4 +1,5 @@
-"""Untrusted files (DESIGN.md): nothing unpickles without ``weights_only=True``, no remote code.
+"""Untrusted files (docs/design.md, "Invariants"): nothing unpickles without
+``weights_only=True``, no remote code.
 
 A checkpoint, a drafter or a dataset is a file someone else may have made, and a pickle runs
 code when loaded. The project's own Python is read (``ast``, not regexes, so strings and comments

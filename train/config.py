@@ -209,7 +209,7 @@ class DrafterConfig:
     """eagle3: one RMSNorm over the concatenated aux states before fc (input_norm)."""
     lm_head_init: LmHeadInit = LmHeadInit.target_rows
     """eagle3: start the LM head from the target's rows of the draft vocabulary (target_rows,
-    +0.14 acceptance length measured, docs/benchmarks.md) or from random weights."""
+    +0.14 acceptance length measured, docs/benchmarks-history.md) or from random weights."""
     layer_from_target: bool = False
     """eagle3: start as the target's last decoder layer over its last aux stream (FastMTP)."""
     embed_requires_grad: bool = False

@@ -129,7 +129,7 @@ class TTTKeys(StepKV):
     queries go in :attr:`chunks` chunks: chunk ``[a, b)`` attends the step-0 keys ``[0, b)`` and
     the later steps' keys ``[a, b)`` only, ``(n + 1) / 2n + s / n`` of the dense form's ``(s + 1)``
     blocks of scores (3.7x fewer at the third step with 8 chunks; attention was ~45 % of a CPU
-    EAGLE-3 training step, docs/benchmarks.md). Each chunk's keys are a copy kept for the
+    EAGLE-3 training step, docs/benchmarks-history.md). Each chunk's keys are a copy kept for the
     backward, ``(n + 1) / 2 + s`` times one step's keys in all (the dense form keeps ``s + 1``),
     which is why the count of chunks, not their size, is fixed: at long sequences a fixed size
     would copy the keys ``T / size`` times. Masked-out keys weigh exactly 0 in a softmax, so the

@@ -253,7 +253,7 @@ class _Matrix:
     def cell(self, cfgs: Sequence[HarnessConfig]) -> list[ConfigResult]:
         """The rows of one cell (every config has its batch size and temperature). A shared
         machine's throughput drifts by tens of percent over minutes and moves every method alike
-        (docs/benchmarks.md), so the cell runs in rounds: each round every configuration once,
+        (docs/benchmarks-history.md), so the cell runs in rounds: each round every configuration once,
         back to back (in an order that shifts from round to round), then an autoregressive run;
         one more autoregressive run opens the first round. A run's speedup is against the two
         autoregressive runs around its round, interpolated to its middle; with ``repeats`` > 1

@@ -40,7 +40,7 @@ SCHEMA_VERSION = 3
 #: a cell's autoregressive throughput moving by more than this share between the run before its
 #: configurations and the run after their first round: the machine itself changed speed (on a
 #: shared host, its neighbours; no process of this machine shows it), and a single run's speedup
-#: in that cell can be off by about as much (docs/benchmarks.md, eleventh session: an n-gram row
+#: in that cell can be off by about as much (docs/benchmarks-history.md, eleventh session: an n-gram row
 #: that never drafts read 0.86-1.40 in one evening)
 DRIFT_WARN = 0.15
 

@@ -41,7 +41,7 @@ def group_mask(mask: Tensor, rep: int) -> Tensor:
 # On the CPU, folding the query heads of a kv head into rows (grouped_attention) pays for a few
 # query rows per kv head and loses for one (a decode step) or many (a prefill): SDPA's CPU flash
 # kernel splits work by (batch, head, query block), and few rows in many heads is its slow case.
-# Measured (docs/benchmarks.md, fourteenth session): 2-4 queries of 2 query heads per kv head,
+# Measured (docs/benchmarks-history.md, fourteenth session): 2-4 queries of 2 query heads per kv head,
 # 60-1000 keys: 0.66-0.96 of the time at batch 1-8; 9 queries: 0.96-1.28; 1 query: ~1.3.
 CPU_GROUPED_MAX_ROWS = 16
 

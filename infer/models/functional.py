@@ -3,7 +3,7 @@
 Why bundles: on a CPU at decode sizes every module call costs microseconds of Python whatever
 its arithmetic (``nn.Module.__call__``, an ``nn.Module.__getattr__`` per parameter and
 submodule, the fused-projection checks): measured, 29 % of the 8-layer tiny target's one-token
-forward and about 45 % of a one-layer EAGLE-3 head's step (docs/benchmarks.md, twelfth and
+forward and about 45 % of a one-layer EAGLE-3 head's step (docs/benchmarks-history.md, twelfth and
 thirteenth sessions). So the math of a projection, a norm, attention, the MLP and a decoder
 layer lives here in functions (:func:`attention`, :func:`mlp`, :func:`decoder_layer`) over
 anything with the members of the module they stand for: the modules of

@@ -9,11 +9,11 @@ Packing (:func:`pack_for_cpu_`): ``nn.Linear`` keeps ``weight [out, in]`` row-ma
 step; k + 1 when verifying) reach a fraction of the memory bandwidth. oneDNN's
 ``_linear_pointwise`` with the weight reordered once into its blocked layout (what inductor's
 CPU freezing does) is 2-4x faster there: on the tiny target's 17 projections (16 MB fp32,
-2 threads), 3.0 -> 0.8 ms for 4 rows and 3.9 -> 0.8 ms for 8 (docs/benchmarks.md). But a
+2 threads), 3.0 -> 0.8 ms for 4 rows and 3.9 -> 0.8 ms for 8 (docs/benchmarks-history.md). But a
 oneDNN call has a fixed cost of ~15-20 us, more than MKL needs for a whole small projection: on
 the 8 x 128 target (q/k/v 256 x 128, gate/up 704 x 128, an EAGLE head's 1024-row LM head) the
 packed call was 2-4x *slower* than ``F.linear`` at 1 row and no faster at 4-32 rows; it wins
-from about 2^18 weight elements (docs/benchmarks.md, "Packed linears only where they pay"). So
+from about 2^18 weight elements (docs/benchmarks-history.md, "Packed linears only where they pay"). So
 only weights of at least :data:`PACK_MIN_ELEMENTS` are packed; every projection of a real
 model is far above it. The packed copy is kept next to the weight (the weight stays what the
 rest of the code reads: tied and shared embeddings, ``state_dict``), so packed linears take

@@ -23,7 +23,7 @@ Loss: forward KL against the target's distribution over the draft vocabulary (EA
 ``targets``), the mean over every trained row (no per-depth decay). COD leaves depth 0 about a
 third of the rows, and so of the weight: averaging each depth first and then the depths (each
 depth pulling equally) gave depth 0 an eighth at 8 depths and cost it, on the tiny target, 0.58
--> 0.51 first-position acceptance and AL 1.93 -> 1.71 at k=3 (docs/benchmarks.md). Metrics: ``loss/depth_d``, ``acc_d``, ``full_acc_d`` (drafts
+-> 0.51 first-position acceptance and AL 1.93 -> 1.71 at k=3 (docs/benchmarks-history.md). Metrics: ``loss/depth_d``, ``acc_d``, ``full_acc_d`` (drafts
 ``1 .. d + 1`` of one anchor all right) and ``acceptance_length_est`` (``chain_accuracy``).
 
 Settings: EAGLE-3's drafter keys (aux ids, norms, ``lm_head_init``), ``drafter.mask_token_id``

@@ -26,7 +26,7 @@ also trains how the earlier steps shape the state they hand on.
 Loss of step ``s``: per-position loss (the method's) averaged over its valid positions; the LM
 head, the targets and the loss are computed at those positions only (``forward_train(select=)``,
 ``target_rows``): computed everywhere, the ``[B, T, V]`` tensors took over half of a default
-EAGLE-3 step with the whole vocabulary (docs/benchmarks.md); the boolean selections cost one
+EAGLE-3 step with the whole vocabulary (docs/benchmarks-history.md); the boolean selections cost one
 small host sync per step. Total = ``sum_s step_weight ** s * loss_s``. Metrics (detached, no
 host sync of their own): ``loss/step_s``, ``acc_s``
 (draft argmax == target argmax), ``full_acc_s`` (steps ``0 .. s`` all right from the same anchor:

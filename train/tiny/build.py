@@ -60,12 +60,12 @@ REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", 
                   META_FILE)
 
 
-# Tuned on 2 CPU cores (AMD EPYC), docs/benchmarks.md "The rebuilt embedded target": 8 narrow layers
+# Tuned on 2 CPU cores (AMD EPYC), docs/benchmarks-history.md "The rebuilt embedded target": 8 narrow layers
 # learn more per second than 4 wide ones (8,200 training tokens/s with two threads), reach a
 # held-out cross-entropy under 0.6x the unigram model's at 2,400 steps of 4 x 256 tokens (lr
 # 4e-3; 3e-3 and 1,800 steps stop at 0.61), and the unlikelihood phase removes most greedy loops.
 # Its continuations are generated 25 steps' worth at a time (100 rows per ``generate``: ~50 s
-# instead of ~115 s, as effective; docs/benchmarks.md, ninth session). ~8 min for the target
+# instead of ~115 s, as effective; docs/benchmarks-history.md, ninth session). ~8 min for the target
 # with two threads on an idle machine.
 TARGET_SPEC = TinyLMSpec(hidden_size=128, num_layers=8, num_heads=4, num_kv_heads=2,
                          intermediate_size=352, steps=2400, lr=4e-3, max_seconds=900.0,

@@ -11,7 +11,7 @@ training", see docs/reference.md §9): the model generates greedy continuations 
 prefixes, every token that belongs to a repeated 4-gram of its own continuation becomes a
 negative candidate, and the loss adds ``-log(1 - p(token))`` for those tokens to the ordinary
 next-token loss on real rows (which keeps the model honest). Measured on the 8-layer target
-(``docs/benchmarks.md``): 150 such steps (timings below) cut the repetition of greedy
+(``docs/benchmarks-history.md``): 150 such steps (timings below) cut the repetition of greedy
 continuations from 0.54 to 0.22 and the looping ones from 6 of 16 to 1, while held-out
 cross-entropy moved from 0.589 to 0.596 of the unigram model's.
 
@@ -21,7 +21,7 @@ forwards of four rows each, every one paying a whole forward's fixed cost. With
 it is at the first of them; at a learning rate of 3e-4 the model barely moves within 25 steps.
 On the 8-layer target's next-token phase, G = 25 took 48 s against 112 s for G = 1, with the
 same effect (repetition 0.56 -> 0.18 against 0.21, 3 of 32 continuations looping either way;
-cross-entropy 0.590 -> 0.596 against 0.595 of the unigram model's; docs/benchmarks.md, ninth
+cross-entropy 0.590 -> 0.596 against 0.595 of the unigram model's; docs/benchmarks-history.md, ninth
 session).
 """
 
