@@ -388,9 +388,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Every key of every section, named by its dotted path (``eval.ks[0]``), checked before
-        any work starts (``train/pipeline.py``): hours of regeneration, caching and training
-        must not end in an error a look at the config could have given. What needs the target
-        or a file (layer ids, vocabulary, checkpoints) is checked where those are first read."""
+        any work starts: hours of work must not end in an error a look at the config could have
+        given. What needs the target or a file is checked where those are first read."""
         check_fields(self, "", _TOP_RULES, WHERE)
 
 
@@ -488,11 +487,14 @@ def recipe_names() -> list[str]:
 
 
 def register_configs() -> None:
-    """Register the schema (``train_schema``) and every ``recipes/*.yaml`` into ``recipe``."""
+    """Register the schema, ``recipes/*.yaml`` into ``recipe`` and ``recipes/shared/*.yaml``
+    (parts recipes include: ``defaults: [/recipe_shared/NAME, _self_]``) into ``recipe_shared``."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for name in recipe_names():
-        node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml") or OmegaConf.create({})
-        node.name = name
-        cs.store(group="recipe", name=name, node=node, package="_global_")
+    for group, folder in (("recipe", RECIPES_DIR), ("recipe_shared", RECIPES_DIR / "shared")):
+        for path in sorted(folder.glob("*.yaml")):
+            node = OmegaConf.load(path) or OmegaConf.create({})
+            if group == "recipe":
+                node.name = path.stem
+            cs.store(group=group, name=path.stem, node=node, package="_global_")
     register_help_resolver("train", TrainConfig)

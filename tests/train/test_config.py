@@ -12,7 +12,8 @@ from train.config import DEFAULT_RECIPE, TrainConfig, recipe_names, register_con
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 EXPECTED = {"tiny_eagle3", "tiny_eagle", "tiny_mlp", "tiny_pard", "tiny_peagle", "tiny_dflash",
             "eagle3_llama8b", "eagle3_qwen3_8b", "eagle_llama8b", "mlp_llama8b", "pard_llama8b",
-            "peagle_llama8b", "dflash_qwen3_8b", "tiny_mtp", "mtp_mimo7b", "smollm2_eagle3"}
+            "peagle_llama8b", "dflash_qwen3_8b", "tiny_mtp", "mtp_mimo7b", "smollm2_eagle3", "smollm2_mtp", "smollm2_dflash",
+            "smollm2_peagle", "smollm2_mlp", "smollm2_pard"}
 
 
 def compose_train(overrides):
@@ -48,12 +49,27 @@ def test_llama8b_recipe_values():
     assert cfg.trainer.mixed_precision == "bf16" and cfg.regenerate.enabled
 
 
-def test_smollm2_recipe_trains_on_the_offline_chat_set_and_evaluates_on_the_heldout_one():
-    cfg = OmegaConf.to_object(compose_train(["recipe=smollm2_eagle3"]))
-    assert cfg.target.path == "smollm2" and cfg.regenerate.enabled
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if n.startswith("smollm2_")))
+def test_smollm2_recipes_train_on_the_offline_chat_set_and_evaluate_on_the_heldout_one(name):
+    """Each includes recipes/shared/smollm2_chat.yaml and keeps its own method and name."""
+    cfg = OmegaConf.to_object(compose_train([f"recipe={name}"]))
+    assert cfg.target.path == "smollm2" and cfg.regenerate.enabled and cfg.name == name
     assert (cfg.data.source, cfg.eval.dataset) == ("draftsmith:chat-train",
                                                    "draftsmith:chat-heldout")
+    assert [m["method"] for m in cfg.eval.methods] == ["ngram", "suffix"]
     cfg.validate()
+
+
+def test_a_recipe_value_overrides_the_shared_part(tmp_path, monkeypatch):
+    import train.config as config
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "base.yaml").write_text("trainer:\n  lr: 0.5\n  max_steps: 7\n")
+    (tmp_path / "child.yaml").write_text(
+        "defaults:\n  - /recipe_shared/base\n  - _self_\ntrainer:\n  lr: 0.25\n")
+    monkeypatch.setattr(config, "RECIPES_DIR", tmp_path)
+    cfg = OmegaConf.to_object(compose_train(["recipe=child"]))
+    assert (cfg.trainer.lr, cfg.trainer.max_steps, cfg.name) == (0.25, 7, "child")
 
 
 def test_overrides_apply_on_top_of_the_recipe():
