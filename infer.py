@@ -8,7 +8,7 @@ the package registry (train/real/targets.py) on held-out chat questions, with it
 when ``train.py recipe=smollm2_eagle3`` has made it.
 ``mode=eval`` runs the acceptance harness instead (``eval.*`` keys; infer/eval/harness.py);
 ``mode=serve`` an OpenAI-compatible HTTP server (``serve.*`` keys; infer/serve/).
-A user error (config, file, value) prints one line and exits 2 (infer/entry.py).
+A user error (config, file, value) prints one line and exits 2 (infer/foundation/entry.py).
 """
 
 from pathlib import Path
@@ -17,8 +17,8 @@ import hydra
 from omegaconf import OmegaConf
 
 from infer.config import InferConfig, register_configs
-from infer.entry import prepare_argv, user_errors
-from infer.errors import ConfigError
+from infer.foundation.entry import prepare_argv, user_errors
+from infer.foundation.errors import ConfigError
 
 register_configs()
 DEFAULT_HEAD = Path("outputs") / "tiny_eagle3" / "final"  # train.py's default recipe output
@@ -61,7 +61,7 @@ def named_model(cfg: InferConfig) -> tuple[str, list | None]:
     from infer.cli import with_default_head, without_unpaired_drafts
     from infer.drafters.common import token_map_entry
     from infer.eval.chat_prompts import HELDOUT
-    from infer.files import load_tokenizer
+    from infer.foundation.files import load_tokenizer
 
     recipe = NAMED_TARGETS[cfg.model].recipe
     head = Path("outputs") / recipe / "final"
@@ -89,7 +89,7 @@ def main(dcfg) -> None:
 
 def generate_or_eval(cfg: InferConfig) -> None:
     from infer.cli import check_outputs
-    from infer.signals import raise_on_signals
+    from infer.foundation.signals import raise_on_signals
 
     cfg.validate()  # every key, before the tiny target is built or a model loaded
     check_outputs(cfg)  # and where results go can be written

@@ -1,13 +1,13 @@
 """Train a drafter: ``python train.py [recipe=NAME] [key=value ...]`` (conf/train.yaml).
 
 Thin entry: Hydra composes the typed config (train/config.py), train/pipeline.py runs it.
-A user error (config, file, value) prints one line and exits 2 (infer/entry.py).
+A user error (config, file, value) prints one line and exits 2 (infer/foundation/entry.py).
 """
 
 import hydra
 from omegaconf import OmegaConf
 
-from infer.entry import prepare_argv, user_errors
+from infer.foundation.entry import prepare_argv, user_errors
 from train.config import TrainConfig, register_configs
 
 register_configs()

@@ -10,15 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infer.atomic import remove_leftovers, write_text
+from infer.foundation.atomic import remove_leftovers, write_text
 from infer.config import InferConfig, Mode
 from infer.data_sources import load_source
 from infer.engine import LLM
-from infer.errors import (ConfigError, FileFormatError, MissingFileError, NotWritableError,
+from infer.foundation.errors import (ConfigError, FileFormatError, MissingFileError, NotWritableError,
                           check_writable)
-from infer.files import load_tokenizer
+from infer.foundation.files import load_tokenizer
 from infer.sampling import SamplingParams
-from infer.validation import check_choice
+from infer.foundation.validation import check_choice
 
 
 def check_mode(cfg: InferConfig) -> Mode:
@@ -183,7 +183,7 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
 
     from infer.eval.harness import expand_matrix, run_harness
     from infer.eval.report import render_markdown
-    from infer.tracking import make_logger
+    from infer.foundation.tracking import make_logger
 
     check_outputs(cfg)
     ev = cfg.eval

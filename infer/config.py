@@ -22,9 +22,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 
 from infer.config_docs import register_help_resolver
-from infer.errors import ConfigError, MissingFileError
+from infer.foundation.errors import ConfigError, MissingFileError
 from infer.sampling_params import SamplingParams
-from infer.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
+from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
                               check_int, check_list, check_str, config_error)
 
 
@@ -215,7 +215,7 @@ class InferConfig:
     """Requests decoded together (continuous batching)."""
     num_threads: Optional[int] = None
     """CPU torch threads; None: one per core other processes leave free, re-checked while
-    running (infer/threads.py), so a busy neighbour does not stall decoding."""
+    running (infer/foundation/threads.py), so a busy neighbour does not stall decoding."""
     seed: int = 0
     """Engine seed for sampled requests without their own."""
     show_outputs: bool = True

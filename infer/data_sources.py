@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from infer.errors import FileFormatError, MissingFileError
+from infer.foundation.errors import FileFormatError, MissingFileError
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow",
                  ".csv": "csv"}

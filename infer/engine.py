@@ -37,9 +37,9 @@ from infer.request import Request, RequestOutput, make_requests, prefill_groups,
 from infer.sampling import BatchGenerator, Generator, SamplingParams
 from infer.spec_config import SpeculativeConfig
 from infer.target import Target
-from infer.threads import GOVERNOR
+from infer.foundation.threads import GOVERNOR
 from infer.timing import EngineTimers, Timer
-from infer.validation import check_int
+from infer.foundation.validation import check_int
 
 _WHERE = "LLM"
 
@@ -52,7 +52,7 @@ class LLM:
     shared, not copied (then dtype / device / max_model_len / tokenizer were fixed when it was
     loaded). ``timers``: set an :class:`~infer.timing.EngineTimers` to have every step timed.
     ``num_threads`` (CPU): torch threads, fixed; None: one per core other processes leave free,
-    re-checked as it runs (:mod:`infer.threads`).
+    re-checked as it runs (:mod:`infer.foundation.threads`).
     """
 
     def __init__(self, model: str | Target, speculative_config: Any = None, *,
@@ -75,7 +75,7 @@ class LLM:
         self.max_num_seqs, self.seed = max_num_seqs, seed
         self.num_threads = num_threads
         if self.device.type == "cpu":
-            GOVERNOR.start(num_threads)  # infer/threads.py: steady beside other processes
+            GOVERNOR.start(num_threads)  # infer/foundation/threads.py: steady beside other processes
         self.enforce_eager, self.gpu_memory_utilization = enforce_eager, gpu_memory_utilization
         self.timers: EngineTimers | None = None
         kv_dtype, cfg = self.target.dtype, self.target.model.config

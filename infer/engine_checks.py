@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.validation import check_float, check_int, config_error
+from infer.foundation.validation import check_float, check_int, config_error
 
 _WHERE = "LLM"
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from infer.sampling import Generator, fill_random_, logits_to_probs
 from infer.spec_config import REJECTION_SAMPLE_METHODS
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 IMPLS = ("auto", "torch", "triton")
 _WHERE = "rejection_sample"

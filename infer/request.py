@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from infer.detokenize import StopStrings, output_text
-from infer.errors import ConfigError, UserError
+from infer.foundation.errors import ConfigError, UserError
 from infer.metrics import SpecMetrics
 from infer.sampling_params import SamplingParams
 from infer.target import Target

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from infer.spec_config import SpeculativeConfig
-from infer.validation import check_float, check_int, config_error, reject_unknown_keys
+from infer.foundation.validation import check_float, check_int, config_error, reject_unknown_keys
 
 _WHERE = "SamplingParams"
 

@@ -25,9 +25,9 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from infer.errors import ConfigError, MissingFileError
-from infer.files import read_json
-from infer.validation import check_float, check_int, config_error, reject_unknown_keys
+from infer.foundation.errors import ConfigError, MissingFileError
+from infer.foundation.files import read_json
+from infer.foundation.validation import check_float, check_int, config_error, reject_unknown_keys
 
 _WHERE = "speculative_config"
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from infer.files import load_tokenizer
+from infer.foundation.files import load_tokenizer
 from infer.models.llama import Llama
 from infer.models.loader import DTYPES, load_model
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 _WHERE = "LLM"
 

@@ -230,7 +230,7 @@ def table(runs: list[Run]) -> str:
 def bench_prompts(model: str, n: int) -> list[list[int]]:
     """Held-out code prompts through the model's chat template, as token ids."""
     from infer.eval.prompt_sets import render_prompt
-    from infer.files import load_tokenizer
+    from infer.foundation.files import load_tokenizer
     from train.tiny.examples import heldout_prompts
 
     tok = load_tokenizer(model, required=True)

@@ -1,4 +1,4 @@
-"""Decode throughput under CPU contention, per thread policy (infer/threads.py).
+"""Decode throughput under CPU contention, per thread policy (infer/foundation/threads.py).
 
     python scripts/bench_threads.py [--prompts 8] [--max-tokens 64] [--repeats 5] [--record]
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from infer.engine import LLM  # noqa: E402
 from infer.sampling import SamplingParams  # noqa: E402
-from infer.threads import GOVERNOR, usable_cores  # noqa: E402
+from infer.foundation.threads import GOVERNOR, usable_cores  # noqa: E402
 from train.tiny.build import ensure_tiny_target  # noqa: E402
 from train.tiny.examples import heldout_prompts  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 from infer.cli import check_outputs as check_infer_outputs
 from infer.cli import run as generate
 from infer.config import InferConfig
-from infer.errors import NotWritableError
+from infer.foundation.errors import NotWritableError
 from train.config import TrainConfig
 from train.pipeline import check_outputs as check_train_outputs
 from train.pipeline import run as train

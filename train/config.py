@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from infer.config import Dtype, EvalConfig, EvalEngine, LoggerKind
 from infer.config_docs import register_help_resolver
-from infer.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
+from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
                               check_int, check_list, check_str, config_error)
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -281,7 +281,7 @@ class TrainerConfig:
     """Peak learning rate (AdamW)."""
     num_threads: Optional[int] = None
     """CPU torch threads of training and its evaluation; None: one per core other
-    processes leave free, re-checked while running (infer/threads.py)."""
+    processes leave free, re-checked while running (infer/foundation/threads.py)."""
     weight_decay: float = 0.0
     """AdamW weight decay of matrices (norms and biases get none)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])

@@ -59,7 +59,7 @@ from __future__ import annotations
 from typing import Any
 
 from infer.data_sources import ROLES, load_source  # noqa: F401 (load_source: re-exported)
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 # --------------------------------------------------------------------------------- formats
 

@@ -13,18 +13,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.eval.harness import HarnessConfig, expand_matrix, run_harness
 from infer.eval.prompt_sets import load_prompts, render_prompt
 from infer.eval.results import HarnessReport
-from infer.tracking import Logger
+from infer.foundation.tracking import Logger
 from train.config import TrainConfig
 
 
 def eval_prompts(cfg: TrainConfig, target_dir: str) -> list[Any]:
     """``eval.dataset`` rendered with the target's chat template, else held-out code prompts
     (each sent as one user message, as the drafter saw its training prompts)."""
-    from infer.files import load_tokenizer
+    from infer.foundation.files import load_tokenizer
 
     from train.tiny.examples import heldout_prompts
 

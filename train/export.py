@@ -40,7 +40,7 @@ from infer.drafters.common import read_checkpoint, write_checkpoint
 from infer.drafters.eagle3 import SGLANG_ARCHITECTURE, Eagle3Config, default_aux_layer_ids
 from infer.drafters.peagle import PEagleConfig
 from infer.spec_config import checkpoint_type
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 _SGLANG_WEIGHTS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}  # + midlayer.*
 _SGLANG_FIXED = {  # flag -> the value SGLang's LlamaForCausalLMEagle3 implements

@@ -30,12 +30,12 @@ from safetensors import safe_open
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from infer.atomic import atomic_file, remove_leftovers, write_text
-from infer.errors import MissingFileError
-from infer.files import read_json
+from infer.foundation.atomic import atomic_file, remove_leftovers, write_text
+from infer.foundation.errors import MissingFileError
+from infer.foundation.files import read_json
 from infer.models.llama import Llama
 from infer.models.loader import load_config, resolve_dtype, resolve_model_dir, weight_files
-from infer.validation import check_choice, config_error
+from infer.foundation.validation import check_choice, config_error
 from train import fingerprint
 from train.config import FeatureMode, FeaturesConfig, StorageDtype
 from train.data import collate, document_attention_mask

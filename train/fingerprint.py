@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping
 
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 
 
 def digest(fingerprint: Mapping[str, Any], length: int = 16) -> str:

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from torch import Tensor, nn
 
-from infer.errors import FileFormatError
-from infer.files import open_safetensors, read_json
+from infer.foundation.errors import FileFormatError
+from infer.foundation.files import open_safetensors, read_json
 from infer.models.llama import Llama
 from infer.models.loader import (checkpoint_tensors, load_config, load_model,
                                  model_config_and_dtype, native_name, resolve_dtype,

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import datasets
 
-from infer.atomic import atomic_dir, remove_leftovers
-from infer.errors import check_writable
+from infer.foundation.atomic import atomic_dir, remove_leftovers
+from infer.foundation.errors import check_writable
 from infer.models.loader import load_config
-from infer.signals import raise_on_signals
+from infer.foundation.signals import raise_on_signals
 from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset
 from train.features import FeatureSource, make_feature_source
@@ -67,7 +67,7 @@ def run(cfg: TrainConfig) -> RunResult | RunPlan:
     with ``plan=true`` only the cost estimate (train/plan.py): nothing is loaded or written.
 
     The output folders are checked for writability first. SIGINT / SIGTERM raise
-    ``infer.errors.Interrupted`` (exit 130 / 143 at the entry point): at once outside the
+    ``infer.foundation.errors.Interrupted`` (exit 130 / 143 at the entry point): at once outside the
     training loop, where every phase resumes from what it finished (temporaries of writes in
     progress are removed as the exception unwinds), and after checkpointing the current step
     inside it (train/trainer.py)."""
@@ -221,7 +221,7 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = T
                  ) -> PreparedData:
     """Tokenized, loss-masked, packed training data plus its draft vocabulary, saved to disk
     (``save``: by the main process only; the other ranks rebuild the same from the caches)."""
-    from infer.files import load_tokenizer
+    from infer.foundation.files import load_tokenizer
 
     target_dir = target_dir or resolve_target(cfg)
     tokenizer = load_tokenizer(target_dir, key="target.path")
@@ -256,7 +256,7 @@ def stage_rows(cfg: TrainConfig, stage: Stage, prepared: PreparedData,
     the target itself (regenerated under ``<run_dir>/<stage>_data``)."""
     if stage.data == StageData.dataset:
         return prepared.dataset
-    from infer.files import load_tokenizer
+    from infer.foundation.files import load_tokenizer
 
     with state.main_process_first():
         raw = regenerated(cfg, prepared.target_dir, prepared.raw, f"{stage.name}_data")
@@ -290,7 +290,7 @@ def train_stage(cfg: TrainConfig, objective: Objective, source: FeatureSource, s
     when given; its own returned with ``keep_optimizer_state``, for a next stage that carries it
     over); the ``last`` stage also gathers the objective's state for the export; ``served``
     measures served acceptance every ``eval.every_steps``."""
-    from infer.files import load_tokenizer
+    from infer.foundation.files import load_tokenizer
 
     from train.trainer import train
 
@@ -324,7 +324,7 @@ def evaluate_drafter(cfg: TrainConfig, target_dir: str, objective: Objective, lo
 
 
 def _make_logger(cfg: TrainConfig, state):
-    from infer.tracking import make_logger
+    from infer.foundation.tracking import make_logger
 
     return make_logger(cfg.logger.kind, rank=state.process_index, project=cfg.logger.project,
                        name=cfg.logger.run_name or cfg.name, config=dataclasses.asdict(cfg),

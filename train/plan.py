@@ -38,7 +38,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer.errors import NoSpaceError
+from infer.foundation.errors import NoSpaceError
 from infer.models.llama import ModelConfig
 from infer.models.output import FeatureSpec
 from train.config import FeatureMode, TargetSharding, TrainConfig, TrainerConfig
@@ -231,8 +231,8 @@ def read_target_config(cfg: TrainConfig) -> tuple[str, ModelConfig]:
     """The target's ``ModelConfig`` from its config.json alone: a local directory, a hub id in
     the local cache, else that one file downloaded; the embedded default is built if missing
     (it is small, and its shape exists only once built)."""
-    from infer.errors import MissingFileError
-    from infer.files import read_json
+    from infer.foundation.errors import MissingFileError
+    from infer.foundation.files import read_json
     from infer.models.loader import config_from_hf, load_config, resolve_model_dir
 
     path = local_target(cfg.target.path)

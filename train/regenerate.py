@@ -49,8 +49,8 @@ from typing import Any, Callable
 import datasets
 from tqdm.auto import tqdm
 
-from infer.atomic import atomic_dir, remove_leftovers, write_text
-from infer.validation import check_int
+from infer.foundation.atomic import atomic_dir, remove_leftovers, write_text
+from infer.foundation.validation import check_int
 from train import fingerprint
 from train.config import validate_section
 from train.data_formats import (TRUNCATED_COLUMN, SkipRow, added_special_tokens, detect_format,
@@ -200,7 +200,7 @@ class Regenerator:
 
     def __init__(self, target_dir: str, cfg, seed: int, device: str,
                  template_kwargs: dict[str, Any] | None = None, context: int | None = None):
-        from infer.files import load_tokenizer
+        from infer.foundation.files import load_tokenizer
 
         from infer import LLM, SamplingParams
 

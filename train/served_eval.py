@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor
 
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 from train.frozen_target import FrozenTarget
 from train.objectives.base import Objective
 

@@ -31,10 +31,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from infer.atomic import atomic_dir, remove_leftovers
+from infer.foundation.atomic import atomic_dir, remove_leftovers
 from infer.drafters.mtp import NUM_LAYERS_KEY, PREFIX
-from infer.errors import FileFormatError
-from infer.files import read_json
+from infer.foundation.errors import FileFormatError
+from infer.foundation.files import read_json
 from infer.models.loader import weight_files
 
 INDEX = "model.safetensors.index.json"

@@ -32,11 +32,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from infer.errors import Interrupted
-from infer.signals import StopRequests
-from infer.threads import GOVERNOR
-from infer.tracking import Logger
-from infer.validation import config_error
+from infer.foundation.errors import Interrupted
+from infer.foundation.signals import StopRequests
+from infer.foundation.threads import GOVERNOR
+from infer.foundation.tracking import Logger
+from infer.foundation.validation import config_error
 from train import checkpoint as ckpt
 from train.config import validate_section
 from train.data import collate
@@ -183,9 +183,9 @@ def train(cfg, objective, source: FeatureSource, *, pad_id: int, run_dir: Path, 
 
     SIGINT / SIGTERM (main thread) ask the loop to stop. The request is voted on in the one sync
     of the next optimizer step (``Meter.end_step``: no extra collective), so every rank, signalled
-    or not, stops after that same step: it is checkpointed, then ``infer.errors.Interrupted``
+    or not, stops after that same step: it is checkpointed, then ``infer.foundation.errors.Interrupted``
     names the checkpoint; a rerun resumes from it exactly. A repeated signal aborts without
-    saving (``infer/signals.py``); one arriving after the last step goes to the caller's handler."""
+    saving (``infer/foundation/signals.py``); one arriving after the last step goes to the caller's handler."""
     loop = _StageLoop(cfg, objective, source, pad_id, run_dir, logger, stage, accelerator,
                       optimizer_state, served)
     if loop.acc.device.type == "cpu":
@@ -290,7 +290,7 @@ class _StageLoop:
         try:
             for batch in batches:
                 if self.acc.device.type == "cpu":
-                    GOVERNOR.tick()  # one torch thread per free core (infer/threads.py)
+                    GOVERNOR.tick()  # one torch thread per free core (infer/foundation/threads.py)
                 if not self.micro_step(batch):
                     continue
                 tokens += self.after_step(on_step)

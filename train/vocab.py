@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.atomic import atomic_file
+from infer.foundation.atomic import atomic_file
 
 VOCAB_FILE = "draft_vocab.safetensors"
 

@@ -2,7 +2,7 @@
 Hugging Face config dict of a draft layer.
 
 Checkpoints are a directory with ``config.json`` + ``model.safetensors`` (what vLLM and SGLang
-load). Writes are atomic (``infer/atomic.py``), so a crash mid-save never leaves a half-written
+load). Writes are atomic (``infer/foundation/atomic.py``), so a crash mid-save never leaves a half-written
 checkpoint that a later load would half-trust. Reads reuse the target loader's directory /
 safetensors rules (local dir or cached hub id; pickled weights are refused).
 """
@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from infer.atomic import atomic_dir, atomic_file, remove_leftovers
-from infer.errors import FileFormatError, MissingFileError
-from infer.files import read_json, read_safetensors
+from infer.foundation.atomic import atomic_dir, atomic_file, remove_leftovers
+from infer.foundation.errors import FileFormatError, MissingFileError
+from infer.foundation.files import read_json, read_safetensors
 from infer.models.attention import attend, cache_mask
 from infer.models.groups import (ForwardGroup, flat_logits_at, flat_tokens, plan_groups,
                                  split_picked)

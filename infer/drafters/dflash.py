@@ -50,13 +50,13 @@ from torch import Tensor, nn
 
 from infer.drafters.common import (d2t_from_ids, draft_to_target_ids, draft_to_target_probs,
                                    hf_layer_config, read_checkpoint, share, write_checkpoint)
-from infer.files import check_tensors
+from infer.foundation.files import check_tensors
 from infer.models.functional import Embed, ModelParts
 from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm
 from infer.models.loader import config_from_hf, resolve_dtype
 from infer.models.rope import apply_rope, rope_cos_sin, rope_frequencies, step_rope
 from infer.models.snapshot import snapshot_of, uses_snapshot
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 ARCHITECTURE = "DFlashDraftModel"
 SPECULATORS_VERSION = "0.3.0"

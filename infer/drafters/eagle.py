@@ -41,14 +41,14 @@ from torch import Tensor, nn
 
 from infer.drafters.common import (PairDrafter, StepKV, hf_layer_config,
                                    read_checkpoint, share_target_heads, write_checkpoint)
-from infer.files import check_tensors
+from infer.foundation.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.functional import Embed, ModelParts
 from infer.models.llama import DecoderLayer, ModelConfig, proj_of
 from infer.models.rope import rope_frequencies, step_rope
 from infer.models.snapshot import snapshot_of, uses_snapshot
 from infer.models.loader import config_from_hf, resolve_dtype
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 _WHERE = "eagle config.json"
 _IGNORED = ("embed_tokens.weight",)

@@ -54,14 +54,14 @@ from torch import Tensor, nn
 from infer.drafters.common import (PairDrafter, StepKV, d2t_from_ids,
                                    draft_to_target_ids, draft_to_target_probs, hf_layer_config,
                                    read_checkpoint, share, write_checkpoint)
-from infer.files import check_tensors
+from infer.foundation.files import check_tensors
 from infer.kv_cache import CacheStep
 from infer.models.functional import AttentionWeights, Embed, MLPWeights, ModelParts, Norm
 from infer.models.llama import MLP, Attention, DecoderLayer, ModelConfig, RMSNorm, proj_of
 from infer.models.rope import rope_frequencies, step_rope
 from infer.models.snapshot import snapshot_of, uses_snapshot
 from infer.models.loader import config_from_hf, resolve_dtype
-from infer.validation import check_int, config_error
+from infer.foundation.validation import check_int, config_error
 
 ARCHITECTURE = "Eagle3DraftModel"
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang / SpecForge layout (read only)

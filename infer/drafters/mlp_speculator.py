@@ -41,9 +41,9 @@ import torch
 from torch import Tensor, nn
 
 from infer.drafters.common import read_checkpoint, write_checkpoint
-from infer.files import check_tensors
+from infer.foundation.files import check_tensors
 from infer.models.loader import resolve_dtype
-from infer.validation import check_int, config_error
+from infer.foundation.validation import check_int, config_error
 
 MODEL_TYPE = "mlp_speculator"
 ARCHITECTURE = "MLPSpeculatorPreTrainedModel"

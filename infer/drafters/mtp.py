@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from infer.drafters.common import PairDrafter, StepKV, share_target_heads
-from infer.errors import FileFormatError
-from infer.files import check_tensors, open_safetensors, read_json
+from infer.foundation.errors import FileFormatError
+from infer.foundation.files import check_tensors, open_safetensors, read_json
 from infer.kv_cache import CacheStep
 from infer.models.functional import Embed, LayerWeights, ModelParts, Norm, Proj
 from infer.models.llama import DecoderLayer, ModelConfig, RMSNorm, proj_of

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from infer.errors import FileFormatError
-from infer.validation import config_error
+from infer.foundation.errors import FileFormatError
+from infer.foundation.validation import config_error
 
 MODEL_TYPE = "peagle"
 ARCHITECTURE = "PEagleSpeculator"  # speculators' name; vLLM derives its own from model_type

@@ -51,8 +51,8 @@ from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
 from infer.target import Target
 from infer.timing import EngineTimers
-from infer.tracking import Logger, NoopLogger
-from infer.validation import check_float, check_int, check_list, config_error
+from infer.foundation.tracking import Logger, NoopLogger
+from infer.foundation.validation import check_float, check_int, check_list, config_error
 
 log = logging.getLogger(__name__)
 _WHERE = "harness"
@@ -325,7 +325,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
     :class:`~infer.target.Target` (which fixed those). Writes results.json / results.md / plots
     into ``output_dir`` when given; logs per-config acceptance scalars, the results table and the
     plots to ``logger`` at ``step`` under ``prefix``. ``num_threads``: CPU thread policy
-    (infer/threads.py; None: one per free core). ``engine="vllm"`` runs every configuration
+    (infer/foundation/threads.py; None: one per free core). ``engine="vllm"`` runs every configuration
     on vLLM instead (infer/eval/vllm_engine.py: ``vllm_python`` None = vLLM importable here,
     ``tensor_parallel_size`` for targets beyond one device); the target is then still loaded
     here once, for its tokenizer. A batch-B run takes the first max(``num_prompts`` (None: all),

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from infer.threads import CONTENTION_CORES, GOVERNOR, machine_busy_seconds, own_cpu_seconds
+from infer.foundation.threads import CONTENTION_CORES, GOVERNOR, machine_busy_seconds, own_cpu_seconds
 
 
 @dataclass
@@ -60,7 +60,7 @@ def other_cores_now(seconds: float) -> float | None:
 
 def machine_settings() -> dict[str, Any]:
     """The machine a report was measured on: cores, cores this process may use, load average,
-    torch's intra- / inter-op threads and the thread policy (infer/threads.py)."""
+    torch's intra- / inter-op threads and the thread policy (infer/foundation/threads.py)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"cpu_count": os.cpu_count(), "usable_cores": usable,

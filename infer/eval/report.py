@@ -1,6 +1,6 @@
 """The harness report's outputs: results.json, results.md, PNG plots, and W&B logging.
 
-Every file is written atomically (``infer/atomic.py``), so a reader (or a crashed run) never sees
+Every file is written atomically (``infer/foundation/atomic.py``), so a reader (or a crashed run) never sees
 half a file. Plots use matplotlib's object API with the Agg canvas
 (no pyplot state, no display needed):
 
@@ -20,10 +20,10 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from infer.atomic import atomic_file, remove_leftovers, write_text
+from infer.foundation.atomic import atomic_file, remove_leftovers, write_text
 from infer.eval.machine import CONTENTION_CORES
 from infer.eval.results import DRIFT_WARN, ConfigResult, HarnessReport
-from infer.tracking import Logger
+from infer.foundation.tracking import Logger
 
 PLOTS = ("per_position_acceptance.png", "speedup_vs_k.png", "acceptance_length_vs_k.png")
 TABLE_COLUMNS = ["method", "k", "temperature", "batch_size", "draft_sample_method",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.metrics import SpecMetrics
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -122,7 +122,7 @@ def engine_dtype(dtype: str, target: str, cuda: bool) -> str:
         return str(dtype)
     if not cuda:
         return "float32"
-    from infer.files import read_json
+    from infer.foundation.files import read_json
 
     hf = read_json(Path(target) / "config.json")
     return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
@@ -157,7 +157,7 @@ class VllmSession:
 
         import torch
 
-        from infer.files import load_tokenizer
+        from infer.foundation.files import load_tokenizer
         from infer.models.loader import load_config
         from infer.target import tokenizer_eos
 

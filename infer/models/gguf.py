@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from infer.atomic import atomic_dir
-from infer.errors import FileFormatError, MissingFileError
+from infer.foundation.atomic import atomic_dir
+from infer.foundation.errors import FileFormatError, MissingFileError
 
 # a conversation that exercises the template: system default inserted, two turns, generation
 # prompt (the rendering of the saved tokenizer must equal the GGUF template's, character for char)

@@ -19,11 +19,11 @@ from typing import Iterator
 
 import torch
 
-from infer.errors import FileFormatError, MissingFileError
-from infer.files import check_tensors, open_safetensors, read_json
+from infer.foundation.errors import FileFormatError, MissingFileError
+from infer.foundation.files import check_tensors, open_safetensors, read_json
 from infer.models.llama import Llama, ModelConfig, inference_layout
 from infer.models.rope import ROPE_TYPES, RopeConfig
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 
 @dataclass(frozen=True)

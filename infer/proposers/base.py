@@ -29,10 +29,10 @@ import torch
 
 from infer.models.llama import Llama, ModelConfig
 from infer.models.output import FeatureSpec, ModelOutput
-from infer.registry import Registry
+from infer.foundation.registry import Registry
 from infer.sampling import BatchGenerator, Generator
 from infer.spec_config import SpeculativeConfig
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from infer.drafters.dflash import DFlashDrafter
-from infer.errors import FileFormatError
+from infer.foundation.errors import FileFormatError
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.models.llama import inference_layout
@@ -32,7 +32,7 @@ from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, Pro
                                   VerifiedStep, aux_features, check_head_fits)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 _WIRING = "the engine must call proposer.prefilled(...) after each prefill"
 

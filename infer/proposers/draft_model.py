@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.errors import ConfigError, FileFormatError
+from infer.foundation.errors import ConfigError, FileFormatError
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.models.groups import ForwardGroup

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from infer.errors import FileFormatError
+from infer.foundation.errors import FileFormatError
 from infer.drafters.common import read_token_map, restrict_vocab
 from infer.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
 from infer.models.output import FeatureSpec, ModelOutput

@@ -29,7 +29,7 @@ from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, Pro
                                   VerifiedStep)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 _WIRING = "the engine must call proposer.prefilled(...) after each prefill"
 

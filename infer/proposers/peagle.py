@@ -33,7 +33,7 @@ from infer.drafters.peagle import PEagleDrafter
 from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, ProposerContext
 from infer.proposers.eagle3 import Eagle3Proposer
 from infer.spec_config import SpeculativeConfig
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 
 @PROPOSERS.register("eagle3/parallel")

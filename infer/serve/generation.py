@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Union
 
 from infer.detokenize import output_text
 from infer.engine import LLM
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.request import Request, make_request
 from infer.serve.engine_loop import EngineLoop, TokenUpdate
 from infer.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SampledRequest

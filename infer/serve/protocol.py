@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.sampling_params import SamplingParams
 
 _OFF = (None, False, 0, 0.0, {}, [])

@@ -3,7 +3,7 @@
 
 uvicorn runs in a background thread with its own event loop, the engine loop in another; the
 caller's thread only waits. That keeps one code path for the blocking entry point (which
-waits until Ctrl-C / SIGTERM, turned into ``Interrupted`` by ``infer/signals.py``, then shuts
+waits until Ctrl-C / SIGTERM, turned into ``Interrupted`` by ``infer/foundation/signals.py``, then shuts
 both down in order) and for a test that starts a server on a free port, talks to it, and
 closes it.
 """
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import uvicorn
 
 from infer.engine import LLM
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.serve.app import build_app
 from infer.serve.engine_loop import EngineLoop
 from infer.serve.generation import ServedModel
 from infer.serve.prometheus import ServeMetrics
-from infer.threads import GOVERNOR
+from infer.foundation.threads import GOVERNOR
 
 _START_TIMEOUT_S = 60.0
 
@@ -72,7 +72,7 @@ def start_server(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
     """Serve ``llm`` on ``host:port`` (0: a free port) and return once it accepts requests."""
     name = model_name or llm.target.path
     if llm.device.type == "cpu":
-        GOVERNOR.reserve(1)  # the event loop's core (infer/threads.py)
+        GOVERNOR.reserve(1)  # the event loop's core (infer/foundation/threads.py)
     metrics = ServeMetrics(name, llm.k if llm.spec else None)
     served = ServedModel(llm, EngineLoop(llm, metrics).start(), name)
     config = uvicorn.Config(build_app(served), host=host, port=port, log_level=log_level,

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from infer.config import EvalConfig, InferConfig, register_configs
-from infer.errors import ConfigError, MissingFileError
+from infer.foundation.errors import ConfigError, MissingFileError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ import pytest
 
 from infer.detokenize import IncrementalText, StopStrings, cut_at_stop, output_text
 from infer.engine import LLM
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.sampling import SamplingParams
 from train.tiny.corpus import train_tokenizer
 

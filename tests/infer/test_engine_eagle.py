@@ -10,7 +10,7 @@ import infer.graphs
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from infer.engine import LLM
-from infer.errors import FileFormatError
+from infer.foundation.errors import FileFormatError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 

@@ -437,7 +437,7 @@ def test_speculative_token_map_is_an_eagle3_file_found_beside_the_head(tmp_path,
     """draftsmith's (and SGLang's) key: an eagle3 head's only; a relative name that is not a file
     here is the draft directory's (where export writes it); resolved to a path, so a resolved
     config parses to itself; vLLM is never sent it."""
-    from infer.errors import MissingFileError
+    from infer.foundation.errors import MissingFileError
     from infer.eval.vllm_engine import for_vllm
 
     head = _draft_dir(tmp_path, "head", SPECULATORS_EAGLE3)

@@ -1,6 +1,6 @@
 """Run by test_interrupted_runs.py in a subprocess, so that real signals can reach it.
 
-Each mode runs inside ``infer.entry.user_errors("train.py")``, the entry point's handling of
+Each mode runs inside ``infer.foundation.entry.user_errors("train.py")``, the entry point's handling of
 ``Interrupted`` (one line on stderr, exit 128 + signal), and writes nothing the test does not
 check. The command line is the same for a run and its rerun, as a user would type it again; the
 environment only says when to let the test send a signal:
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from infer.entry import user_errors
-from infer.signals import raise_on_signals
+from infer.foundation.entry import user_errors
+from infer.foundation.signals import raise_on_signals
 
 TRAIN_KW = dict(max_steps=8, micro_batch_size=2, lr=0.05)
 FEATURE_KW = dict(dtype="float32", rows_per_shard=8, batch_size=4, progress=False)

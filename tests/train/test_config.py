@@ -149,7 +149,7 @@ def composed(overrides) -> TrainConfig:
      "'eval.methods[0].batch_sizes[0]': 0; expected"),
 ])
 def test_bad_values_are_refused_naming_key_value_and_allowed(override, message):
-    from infer.errors import ConfigError
+    from infer.foundation.errors import ConfigError
 
     cfg = composed([override])  # each passes Hydra's type check: only the value is wrong
     with pytest.raises(ConfigError) as err:
@@ -159,7 +159,7 @@ def test_bad_values_are_refused_naming_key_value_and_allowed(override, message):
 
 def test_values_built_in_python_are_type_checked_too():
     """Configs built in Python skip Hydra's type check; the rules catch the type as well."""
-    from infer.errors import ConfigError
+    from infer.foundation.errors import ConfigError
 
     for section, key, value, message in [
             ("data", "pack", 1, "'data.pack': 1; expected true or false"),
@@ -179,7 +179,7 @@ def test_values_built_in_python_are_type_checked_too():
 
 def test_every_field_has_a_rule_and_every_recipe_validates():
     """A field added without a rule would go unchecked: ``validate`` raises for it."""
-    from infer.validation import check_fields
+    from infer.foundation.validation import check_fields
 
     for name in sorted(EXPECTED):
         composed([f"recipe={name}"]).validate()
@@ -190,7 +190,7 @@ def test_every_field_has_a_rule_and_every_recipe_validates():
 def test_run_refuses_a_bad_value_before_any_work(tmp_path, monkeypatch):
     """``eval.ks=[0]`` used to fail after the whole training run; now nothing starts: no target
     is resolved or built, no output folder is created."""
-    from infer.errors import ConfigError, MissingFileError
+    from infer.foundation.errors import ConfigError, MissingFileError
     import train.pipeline as pipeline
 
     def no_work(*args, **kwargs):
@@ -239,7 +239,7 @@ def test_drafter_paths_checked_before_any_work(tmp_path):
     must fail at validation, naming the key."""
     import dataclasses
 
-    from infer.errors import MissingFileError
+    from infer.foundation.errors import MissingFileError
     from train.config import TrainConfig
     from train.pipeline import validate
 

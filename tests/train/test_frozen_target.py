@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.models.loader import load_model
 from train.config import TargetSharding
 from train.frozen_target import (FrozenTarget, load_sharded, load_target_heads,

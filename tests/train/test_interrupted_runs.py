@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infer.errors import Interrupted
+from infer.foundation.errors import Interrupted
 from train import features as F
 from train.checkpoint import IncompatibleCheckpoint, list_checkpoints, read_state
 from train.regenerate import regenerate

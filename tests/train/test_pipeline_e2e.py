@@ -179,7 +179,7 @@ def test_wandb_offline_run_has_training_and_acceptance(tmp_path, train_target, c
                                                        monkeypatch):
     """Without an API key the W&B run is offline; it holds the training curves and the
     end-of-training acceptance (the dashboard's two halves)."""
-    from infer.tracking import read_wandb_file
+    from infer.foundation.tracking import read_wandb_file
 
     for key in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(key, raising=False)

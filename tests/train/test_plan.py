@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from infer.errors import NoSpaceError, UserError
+from infer.foundation.errors import NoSpaceError, UserError
 from infer.models.llama import Llama
 from infer.models.loader import load_config
 from infer.models.output import FeatureSpec

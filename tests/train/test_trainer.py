@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from infer.errors import FileFormatError, MissingFileError
-from infer.tracking import Logger
+from infer.foundation.errors import FileFormatError, MissingFileError
+from infer.foundation.tracking import Logger
 from train.checkpoint import IncompatibleCheckpoint, export_atomically, list_checkpoints
 from train.config import TrainConfig, TrainerConfig
 from train.features import FeatureSource
@@ -413,7 +413,7 @@ def test_deepspeed_and_fsdp_resume_only_their_own_checkpoints(tmp_path):
 
     from accelerate.utils import DistributedType
 
-    from infer.errors import ConfigError
+    from infer.foundation.errors import ConfigError
     from train.checkpoint import check_unpickled_shards
 
     root = tmp_path / "run" / "checkpoints" / "main"

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from infer.models.llama import ModelConfig
 from infer.models.output import FeatureSpec  # noqa: F401 (re-exported for the objectives)
-from infer.registry import Registry
-from infer.validation import StrChoice
+from infer.foundation.registry import Registry
+from infer.foundation.validation import StrChoice
 
 OBJECTIVES: Registry[type["Objective"]] = Registry("train.objectives", "drafter.method",
                                                    "train config")
@@ -56,7 +56,7 @@ def last_layer_state(target_dir: str | Path, num_layers: int) -> tuple[dict[str,
     """The target's last decoder layer (names without ``model.layers.{n - 1}.``) and its final
     norm, float32, read from the checkpoint: the start of a head built from the target (the MTP
     objective's fresh layer, EAGLE-3's ``drafter.layer_from_target``)."""
-    from infer.files import open_safetensors
+    from infer.foundation.files import open_safetensors
     from infer.models.loader import weight_files
 
     prefix, layer, norm = f"model.layers.{num_layers - 1}.", {}, None

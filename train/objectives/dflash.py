@@ -46,9 +46,9 @@ from torch import Tensor
 
 from infer.drafters.common import write_checkpoint
 from infer.drafters.dflash import ContextKV, DFlashConfig, DFlashDrafter, default_aux_layer_ids
-from infer.files import check_tensors, read_json
+from infer.foundation.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective, from_end
 from train.objectives.eagle3 import full_vocab_argmax
 from train.objectives.losses import forward_kl

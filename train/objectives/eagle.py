@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.common import write_checkpoint
-from infer.files import check_tensors
+from infer.foundation.files import check_tensors
 from infer.drafters.eagle import EagleConfig, EagleDrafter
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.common import token_map_entry, write_checkpoint, write_token_map
-from infer.files import check_tensors, read_json
+from infer.foundation.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 from train.config import LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec, from_end, last_layer_state
 from train.objectives.losses import forward_kl

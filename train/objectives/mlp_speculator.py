@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from infer.drafters.common import write_checkpoint
 from infer.drafters.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorLayerNorm
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 from train.config import validate_section
 from train.objectives.base import (OBJECTIVES, FeatureSpec, LossOutput, Objective, Stage,
                                    StageData)

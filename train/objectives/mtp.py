@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.mtp import PREFIX, MTPDrafter, num_mtp_layers
-from infer.files import read_json
+from infer.foundation.files import read_json
 from infer.models.llama import ModelConfig
 from train.objectives.base import OBJECTIVES, FeatureSpec, last_layer_state
 from train.objectives.ttt import TTTObjective, shift_left

@@ -50,17 +50,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.common import write_checkpoint
+from infer.foundation.files import TOKENIZER_FILES
 from infer.models.loader import load_config, load_model, resolve_dtype
 from infer.proposers.draft_model import MASK_KEYS
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 from train.config import validate_section
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
 from train.objectives.losses import forward_kl, masked_mean
 
 _WHERE = "train config"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json")
 
 
 # ---- the repeated sequence ---------------------------------------------------------------------

@@ -47,7 +47,7 @@ from torch import Tensor
 from infer.drafters.common import token_map_entry
 from infer.drafters.eagle3 import Eagle3Drafter
 from infer.drafters.peagle import PEagleConfig, PEagleDrafter
-from infer.files import read_json
+from infer.foundation.files import read_json
 from infer.models.loader import resolve_model_dir
 from infer.spec_config import checkpoint_type
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput

@@ -22,10 +22,10 @@ import re
 import shutil
 from pathlib import Path
 
-from infer.atomic import atomic_dir
-from infer.files import open_safetensors
+from infer.foundation.atomic import atomic_dir
+from infer.foundation.files import TOKENIZER_FILES, open_safetensors
 from infer.models.loader import weight_files
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -68,7 +68,5 @@ def _write_first_layers(target_dir: Path, dest: Path, num_layers: int) -> None:
 def _side_files(target_dir: Path) -> list[str]:
     """Tokenizer, chat template and generation config: everything a loader reads besides the
     weights and config.json."""
-    from train.objectives.pard import TOKENIZER_FILES
-
     names = (*TOKENIZER_FILES, "generation_config.json")
     return [n for n in names if (target_dir / n).is_file()]

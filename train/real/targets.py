@@ -17,8 +17,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from infer.atomic import remove_leftovers, write_text
-from infer.errors import MissingFileError, UserError
+from infer.foundation.atomic import remove_leftovers, write_text
+from infer.foundation.errors import MissingFileError, UserError
 from train.tiny.corpus import default_cache_dir
 
 MARKER = "draftsmith_source.json"

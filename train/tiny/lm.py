@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from infer.threads import GOVERNOR
+from infer.foundation.threads import GOVERNOR
 from train.tiny.corpus import DOC_TOKEN, EOS_TOKEN
 from train.tiny.unlikelihood import UnlikelihoodSpec
 
@@ -92,7 +92,7 @@ def train_lm(model: LlamaForCausalLM, rows: torch.Tensor, spec: TinyLMSpec, seed
     bar = tqdm(total=spec.steps, desc=desc, disable=not progress, mininterval=2.0,
                dynamic_ncols=True)
     for step in range(spec.steps):
-        GOVERNOR.tick()  # one torch thread per free core (infer/threads.py)
+        GOVERNOR.tick()  # one torch thread per free core (infer/foundation/threads.py)
         if time.monotonic() - start > spec.max_seconds:
             stopped_early = True
             break

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from infer.drafters.common import StepKV, TTTKeys, read_token_map
-from infer.errors import FileFormatError, MissingFileError
+from infer.foundation.errors import FileFormatError, MissingFileError
 from infer.models.attention import attend
 from train.data import document_attention_mask
 from train.objectives.ttt import ttt_attention_mask

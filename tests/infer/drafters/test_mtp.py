@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from infer.drafters.mtp import PREFIX, MTPDrafter, num_mtp_layers
-from infer.errors import FileFormatError
+from infer.foundation.errors import FileFormatError
 from infer.kv_cache import KVCache
 from infer.models.loader import load_model
 

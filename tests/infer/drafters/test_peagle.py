@@ -10,7 +10,7 @@ import torch
 
 from infer.drafters.eagle3 import Eagle3Config
 from infer.drafters.peagle import PEagleConfig, PEagleDrafter
-from infer.errors import FileFormatError
+from infer.foundation.errors import FileFormatError
 from infer.models.loader import load_config
 from infer.spec_config import SpeculativeConfig
 from safetensors.torch import load_file, save_file

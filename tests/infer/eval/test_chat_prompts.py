@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from infer.data_sources import load_source
-from infer.errors import MissingFileError
+from infer.foundation.errors import MissingFileError
 from infer.eval import chat_prompts as cp
 from infer.eval.prompt_sets import load_prompts
 

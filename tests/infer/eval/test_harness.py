@@ -19,7 +19,7 @@ from infer.eval.report import PLOTS
 from infer.proposers import base
 from infer.proposers.base import Proposal, Proposer, pad_drafts
 from infer.sampling import SamplingParams
-from infer.tracking import NoopLogger
+from infer.foundation.tracking import NoopLogger
 
 VOCAB = 96  # tests/infer/conftest.py save_tiny_llama
 MAX_TOKENS = 12

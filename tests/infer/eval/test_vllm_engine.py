@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.eval.harness import run_harness
 from infer.eval.vllm_engine import VllmEngine, for_vllm
 from infer.spec_config import SpeculativeConfig

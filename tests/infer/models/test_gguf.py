@@ -8,7 +8,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infer.engine import LLM
-from infer.errors import FileFormatError, MissingFileError
+from infer.foundation.errors import FileFormatError, MissingFileError
 from infer.models import gguf as conv
 from infer.sampling import SamplingParams
 

@@ -8,7 +8,7 @@ import torch
 
 from infer.drafters.dflash import DFlashConfig, DFlashDrafter
 from infer.engine import LLM
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from infer.drafters.mtp import MTPDrafter
 from infer.engine import LLM
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.proposers.mtp import MTPProposer
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infer.errors import ConfigError
+from infer.foundation.errors import ConfigError
 from infer.serve.server import check_port
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from infer.entry import hydra_value, json_override, user_errors
-from infer.errors import ConfigError, Interrupted
+from infer.foundation.entry import hydra_value, json_override, user_errors
+from infer.foundation.errors import ConfigError, Interrupted
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def entry(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -112,7 +112,7 @@ def test_pasted_vllm_json_runs(tiny_target, tmp_path):
 ])
 def test_check_overrides_refuses_in_one_message(capsys, config, override, needle):
     from infer.config import register_configs as infer_configs
-    from infer.entry import check_overrides
+    from infer.foundation.entry import check_overrides
     from train.config import register_configs as train_configs
 
     infer_configs(), train_configs()

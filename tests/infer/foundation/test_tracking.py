@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from infer.metrics import SpecMetrics
-from infer.tracking import (NoopLogger, WandbLogger, acceptance_scalars, has_wandb_api_key,
+from infer.foundation.tracking import (NoopLogger, WandbLogger, acceptance_scalars, has_wandb_api_key,
                             make_logger, read_wandb_file, resolve_wandb_mode)
 
 

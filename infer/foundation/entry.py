@@ -11,8 +11,8 @@ trace. So:
   ``speculative_config='{"method": "ngram", ...}'``) into Hydra's grammar, which rejects quoted
   keys; then it composes the config once (``check_overrides``) so that a misspelt key, a bad
   enum value or a type error is reported in one line with status 2 before Hydra starts.
-- :func:`user_errors` wraps the run: a :class:`~infer.errors.UserError` prints
-  ``prog: error: message`` and exits 2; :class:`~infer.errors.Interrupted` (SIGINT / SIGTERM
+- :func:`user_errors` wraps the run: a :class:`~infer.foundation.errors.UserError` prints
+  ``prog: error: message`` and exits 2; :class:`~infer.foundation.errors.Interrupted` (SIGINT / SIGTERM
   after saving) prints its message and exits 128 + signal; any other exception keeps Hydra's
   traceback. ``HYDRA_FULL_ERROR=1`` re-raises everything, tracebacks included, for debugging.
 """
@@ -27,9 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from infer.errors import Interrupted, UserError
+from infer.foundation.errors import Interrupted, UserError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 USER_ERROR_STATUS = 2
 _HYDRA_PREFIXES = ("hydra.", "hydra/", "+hydra", "++hydra", "~hydra")
 

@@ -1,4 +1,4 @@
-"""SIGINT / SIGTERM policies (infer/signals.py), with real signals sent to this process."""
+"""SIGINT / SIGTERM policies (infer/foundation/signals.py), with real signals sent to this process."""
 
 import os
 import signal
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from infer.errors import Interrupted
-from infer.signals import StopRequests, raise_on_signals
+from infer.foundation.errors import Interrupted
+from infer.foundation.signals import StopRequests, raise_on_signals
 
 
 def handlers() -> dict:

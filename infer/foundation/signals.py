@@ -6,8 +6,8 @@ cannot install handlers: they are left alone and the phase runs unprotected):
 
 - :func:`raise_on_signals`: phases that are chunked and resumable on their own (data
   preparation, regeneration, the feature cache, export, evaluation). Either signal raises
-  :class:`~infer.errors.Interrupted` at once, so Python unwinds, ``finally`` blocks remove the
-  temporaries of writes in progress (infer/atomic.py), and finished chunks stay. Without it
+  :class:`~infer.foundation.errors.Interrupted` at once, so Python unwinds, ``finally`` blocks remove the
+  temporaries of writes in progress (infer/foundation/atomic.py), and finished chunks stay. Without it
   SIGTERM's default action ends the process on the spot and leaves those temporaries behind.
 - :class:`StopRequests`: the training loop. A signal only records a request; the trainer
   finishes the current optimizer step, saves a checkpoint and raises ``Interrupted`` itself
@@ -33,7 +33,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from infer.errors import Interrupted
+from infer.foundation.errors import Interrupted
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_WINDOW_S = 2.0  # repeats closer than this to the first signal are the same request

@@ -4,7 +4,7 @@ import pytest
 
 from infer.proposers.base import PROPOSERS, Proposer, proposer_class
 from infer.spec_config import SpeculativeConfig
-from infer.registry import Registry
+from infer.foundation.registry import Registry
 from train.objectives.base import OBJECTIVES, Objective
 
 

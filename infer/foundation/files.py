@@ -4,8 +4,8 @@ A truncated download, a half-copied checkpoint or a hand-edited ``config.json`` 
 ``SafetensorError: invalid header length`` or ``JSONDecodeError: Expecting value: line 1``,
 naming neither the file nor the fix. Every JSON and safetensors file draftsmith reads for a model,
 a drafter or a cache goes through here: a file that cannot be used raises
-:class:`~infer.errors.FileFormatError` (what is wrong with which file), a missing one
-:class:`~infer.errors.MissingFileError`; both are user errors (one line, exit status 2).
+:class:`~infer.foundation.errors.FileFormatError` (what is wrong with which file), a missing one
+:class:`~infer.foundation.errors.MissingFileError`; both are user errors (one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from infer.errors import FileFormatError, MissingFileError
+from infer.foundation.errors import FileFormatError, MissingFileError
 
 
 def read_json(path: str | Path, *, required: Iterable[str] = (), what: str = "") -> dict:
@@ -95,6 +95,13 @@ def check_tensors(where: str | Path, expected: Mapping[str, Any], found: Mapping
     if wrong:
         raise FileFormatError(f"checkpoint {where}: weights do not match its config.json: "
                               f"{'; '.join(wrong[:4])}{hint}")
+
+
+#: The files a tokenizer (and its chat template) may be saved as: what a derived or exported
+#: model folder copies from the one whose tokenizer it shares.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def has_tokenizer(path: str | Path) -> bool:

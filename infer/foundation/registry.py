@@ -14,7 +14,7 @@ import importlib
 import pkgutil
 from typing import Callable, Generic, TypeVar
 
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 T = TypeVar("T", bound=type)
 

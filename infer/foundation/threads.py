@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from infer.validation import check_int
+from infer.foundation.validation import check_int
 
 log = logging.getLogger(__name__)
 

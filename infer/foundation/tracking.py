@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 from urllib.parse import urlparse
 
-from infer.validation import config_error
+from infer.foundation.validation import config_error
 
 log = logging.getLogger(__name__)
 

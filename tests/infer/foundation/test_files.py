@@ -14,8 +14,8 @@ from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from infer.drafters.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from infer.engine import LLM
-from infer.errors import FileFormatError, MissingFileError, UserError
-from infer.files import load_tokenizer, read_json, read_safetensors
+from infer.foundation.errors import FileFormatError, MissingFileError, UserError
+from infer.foundation.files import load_tokenizer, read_json, read_safetensors
 from infer.models.loader import load_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -5,10 +5,10 @@ fake /proc/stat counters), so these tests do not depend on what else runs on the
 import pytest
 import torch
 
-import infer.threads as threads
+import infer.foundation.threads as threads
 from infer.engine import LLM
 from infer.eval.machine import machine_settings
-from infer.threads import ThreadGovernor, threads_for
+from infer.foundation.threads import ThreadGovernor, threads_for
 
 
 @pytest.mark.parametrize("other, ceiling, expected", [(0.0, 4, 4), (0.2, 4, 4), (0.3, 4, 3),
