@@ -10,7 +10,7 @@ TORCH_DEVICE ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv torch install dev real demo demo-real demo-parallel test bench gpu-check clean
+.PHONY: venv torch install dev real demo demo-real smoke-real demo-parallel test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,14 @@ demo: install
 # harness's table beside n-gram and suffix decoding (recipes/smollm2_eagle3.yaml)
 demo-real: install real
 	$(PY) train.py recipe=smollm2_eagle3
+
+# CI's pass over the real-target path (the wheel's GGUF, conversion, chat data, regeneration,
+# offline features, the head, the engine): the same recipe on a few minutes' budget, then floors
+# far under what the full recipe reaches (tests/test_demo.py, DRAFTSMITH_REAL_RESULTS)
+smoke-real: install real
+	$(PY) train.py recipe=smollm2_eagle3 name=smollm2_smoke data.num_examples=96 \
+	  regenerate.max_tokens=64 trainer.max_steps=60 eval.num_prompts=6 eval.max_tokens=64 \
+	  eval.ks=[3] eval.batch_sizes=[1] eval.temperatures=[0.0] eval.warmup=false
 
 # the GPU verdict in one command (scripts/gpu_check.py): CUDA tests, decode vs transformers and
 # the roofline at 1B / 8B shapes, draft step costs, Triton sampler, a training step; appends a

@@ -31,8 +31,9 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
     from train.tiny.build import ensure_tiny_target
     from train.tiny.corpus import default_draft_dir
 
-    from infer.cli import with_default_draft, with_default_head
+    from infer.cli import with_default_head
     from infer.drafters.common import token_map_entry
+    from infer.eval.methods import with_paired_draft
 
     target = str(ensure_tiny_target(with_draft=True))
     draft = str(default_draft_dir())
@@ -43,7 +44,7 @@ def default_model(cfg: InferConfig) -> tuple[str, list | None]:
                                   if head else
                                   {"method": "draft_model", "model": draft,
                                    "num_speculative_tokens": 3})
-    cfg.eval.methods = with_default_head(with_default_draft(cfg.eval.methods, draft), head)
+    cfg.eval.methods = with_default_head(with_paired_draft(cfg.eval.methods, draft), head)
     if cfg.mode == "eval" and cfg.eval.dataset:
         return target, None
     from train.tiny.examples import heldout_prompts
@@ -57,9 +58,11 @@ def named_model(cfg: InferConfig) -> tuple[str, list | None]:
     the held-out chat questions as default prompts (``draftsmith:chat-heldout``, through the chat
     template), and its recipe's trained head when ``train.py recipe=smollm2_eagle3`` made it."""
     from train.real.targets import NAMED_TARGETS, local_target
+    from train.tiny.corpus import existing_paired_draft
 
-    from infer.cli import with_default_head, without_unpaired_drafts
+    from infer.cli import with_default_head
     from infer.drafters.common import token_map_entry
+    from infer.eval.methods import with_paired_draft
     from infer.eval.chat_prompts import HELDOUT
     from infer.foundation.files import load_tokenizer
 
@@ -72,8 +75,8 @@ def named_model(cfg: InferConfig) -> tuple[str, list | None]:
                                   "num_speculative_tokens": 3, **token_map_entry(head)}
     if cfg.mode == "eval":
         cfg.eval.dataset = cfg.eval.dataset or "draftsmith:chat-heldout"
-        cfg.eval.methods = with_default_head(without_unpaired_drafts(cfg.eval.methods), head,
-                                             recipe)
+        methods = with_paired_draft(cfg.eval.methods, existing_paired_draft(target))
+        cfg.eval.methods = with_default_head(methods, head, recipe)
         return target, None
     tokenizer = load_tokenizer(target)
     return target, [tokenizer.apply_chat_template([{"role": "user", "content": q}],

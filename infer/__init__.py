@@ -2,7 +2,8 @@
 
 ``from infer import LLM, SamplingParams, SpeculativeConfig, rejection_sample`` is the public API.
 The names are resolved on first use (PEP 562), so importing a light helper such as
-``infer.foundation.validation`` or ``infer.foundation.atomic`` (as ``train/`` does) does not load torch and the engine.
+``infer.foundation.validation`` or ``infer.foundation.atomic`` (as ``train/`` does) does not load
+torch and the engine.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from infer.foundation.atomic import remove_leftovers, write_text
 from infer.config import InferConfig, Mode
 from infer.data_sources import load_source
 from infer.engine import LLM
-from infer.foundation.errors import (ConfigError, FileFormatError, MissingFileError, NotWritableError,
-                          check_writable)
+from infer.foundation.errors import (FileFormatError, MissingFileError, NotWritableError,
+                                     check_writable)
 from infer.foundation.files import load_tokenizer
 from infer.sampling import SamplingParams
 from infer.foundation.validation import check_choice
@@ -124,17 +124,6 @@ def run_serve(cfg: InferConfig, model: str) -> None:
 
 # ---- mode=eval ----------------------------------------------------------------------------------
 
-def with_default_draft(methods: list[Any], draft: str) -> list[dict]:
-    """``draft_model`` entries without a ``model`` get ``draft`` (the embedded tiny draft)."""
-    out = []
-    for m in methods:
-        m = dict(m)
-        if m.get("method") == "draft_model" and not m.get("model"):
-            m["model"] = draft
-        out.append(m)
-    return out
-
-
 def with_default_head(methods: list[dict], head, name: str = "tiny_eagle3") -> list[dict]:
     """Add a recipe's trained EAGLE-3 head (when ``head`` is a path) to the matrix, labelled
     ``name`` (the recipe: the default one, or a named real target's)."""
@@ -146,35 +135,13 @@ def with_default_head(methods: list[dict], head, name: str = "tiny_eagle3") -> l
                        **token_map_entry(head)}]
 
 
-def without_unpaired_drafts(methods: list[Any]) -> list[Any]:
-    """``methods`` less the ``draft_model`` entries without a ``model``: a real target has no
-    draft LM of its own to complete them with (the tiny target does), so they are left out with
-    a note instead of failing the evaluation."""
-    kept = [m for m in methods if m.get("method") != "draft_model" or m.get("model")]
-    if len(kept) < len(methods):
-        print("eval: this target has no paired draft LM; the draft_model row is skipped (give "
-              "eval.methods a draft_model entry with a model)")
-    return kept
-
-
 def eval_prompts(cfg: InferConfig, model: str, default: list[Any] | None) -> list[Any]:
-    """``eval.dataset`` (chat template where a record is chat-style), else the prompts the entry
-    point passed (the held-out code prompts: plain strings, each sent as one user message through
-    the chat template unless ``eval.chat=false``). Token-id prompts pass through."""
-    from infer.eval.prompt_sets import load_prompts, render_prompt
+    """``eval.dataset``, else the prompts the entry point passed (the held-out prompts of the
+    embedded or named target); infer/eval/prompt_sets.py:eval_prompts says how."""
+    from infer.eval.prompt_sets import eval_prompts as render
 
-    ev = cfg.eval
     tokenizer = load_tokenizer(cfg.tokenizer or model, required=cfg.tokenizer is not None)
-    if ev.dataset:
-        return load_prompts(ev.dataset, num=ev.prompts_needed(), split=ev.dataset_split,
-                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
-                            template_kwargs=ev.chat_template_kwargs)
-    if default is None:
-        raise ConfigError("mode=eval: give eval.dataset=... (json/jsonl file, dataset "
-                          "directory or hub id) with model=...")
-    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat,
-                          ev.chat_template_kwargs)
-            if isinstance(p, str) else p for p in list(default)[: ev.prompts_needed()]]
+    return render(cfg.eval, tokenizer, default, cfg.eval.chat_template_kwargs)
 
 
 def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
@@ -193,10 +160,10 @@ def run_eval(cfg: InferConfig, model: str, prompts: list[Any]):
                          project=ev.wandb_project, name=ev.wandb_run_name,
                          config={**asdict(cfg), "model": model}, dir=out, job_type="eval")
     try:
-        report = run_harness(model, configs, prompts, output_dir=out, logger=logger,
-                             device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
-                             max_model_len=cfg.max_model_len, num_threads=cfg.num_threads,
-                             **ev.harness_options())
+        options = ev.harness_options(device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                                     max_model_len=cfg.max_model_len,
+                                     num_threads=cfg.num_threads)
+        report = run_harness(model, configs, prompts, options, output_dir=out, logger=logger)
     finally:
         logger.finish()
     print(render_markdown(report))

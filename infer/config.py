@@ -13,7 +13,7 @@ allowed ones. Every field's docstring is what ``python infer.py --help`` prints
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,10 +22,13 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 
 from infer.config_docs import register_help_resolver
-from infer.foundation.errors import ConfigError, MissingFileError
+from infer.eval.methods import check_methods
+from infer.eval.options import HarnessOptions
+from infer.foundation.errors import MissingFileError
 from infer.sampling_params import SamplingParams
-from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
-                              check_int, check_list, check_str, config_error)
+from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields,
+                                         check_float, check_int, check_list, check_str,
+                                         config_error)
 
 
 class Mode(StrChoice):
@@ -155,15 +158,17 @@ class EvalConfig:
         """Prompts to load: the largest batch size's run takes the most."""
         return max([self.num_prompts] + [self.requests_per_slot * b for b in self.batch_sizes])
 
-    def harness_options(self) -> dict[str, Any]:
-        """The keyword arguments of ``run_harness`` that come from these settings alone (both
-        ``infer.py mode=eval`` and ``train.py``'s evaluation pass them)."""
-        return {"max_tokens": self.max_tokens, "ignore_eos": self.ignore_eos,
-                "warmup": self.warmup, "engine": str(self.engine.value),
-                "vllm_python": self.vllm_python,
-                "tensor_parallel_size": self.tensor_parallel_size,
-                "num_prompts": self.num_prompts, "requests_per_slot": self.requests_per_slot,
-                "repeats": self.repeats}
+    def harness_options(self, **engine: Any) -> HarnessOptions:
+        """The harness's options from these settings plus the engine's (device, dtype, seed,
+        max_model_len, num_threads: the entry point's own); both ``infer.py mode=eval`` and
+        ``train.py``'s evaluation build them here."""
+        return HarnessOptions(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              warmup=self.warmup, engine=str(self.engine.value),
+                              vllm_python=self.vllm_python,
+                              tensor_parallel_size=self.tensor_parallel_size,
+                              num_prompts=self.num_prompts,
+                              requests_per_slot=self.requests_per_slot, repeats=self.repeats,
+                              **engine)
 
 
 @dataclass
@@ -251,29 +256,8 @@ def _check_spec(key: str, value: Any, where: str) -> None:
 
 
 def _check_methods(key: str, methods: Any, where: str) -> None:
-    """speculative_config mappings without k (it comes from ``eval.ks``), each validated by
-    SpeculativeConfig now; ``draft_model`` without a ``model`` is completed by the entry point
-    (the embedded tiny draft, or the target's paired one), so only its shape is checked."""
-    from infer.spec_config import SpeculativeConfig
-
-    if isinstance(methods, (str, Mapping)) or not isinstance(methods, Sequence):
-        raise config_error(key, methods, "a list of speculative_config mappings", where)
-    for i, m in enumerate(methods):
-        if not isinstance(m, Mapping):
-            raise config_error(f"{key}[{i}]", m, "a speculative_config mapping", where)
-        if "num_speculative_tokens" in m:
-            raise config_error(f"{key}[{i}].num_speculative_tokens", m["num_speculative_tokens"],
-                               "no value: k comes from eval.ks", where)
-        for own in _METHOD_LISTS:  # a method's own ks / temperatures / batch_sizes
-            if own in m:
-                _EVAL_RULES[own](f"{key}[{i}].{own}", m[own], where)
-        spec = {k: v for k, v in m.items() if k not in ("name", *_METHOD_LISTS)}
-        if spec.get("method") == "draft_model" and not spec.get("model"):
-            continue
-        try:
-            SpeculativeConfig.parse({**spec, "num_speculative_tokens": 1})
-        except ConfigError as err:
-            raise ConfigError(f"{where}: {key}[{i}]: {err}") from None
+    """The method list, checked where the harness checks it (infer/eval/methods.py)."""
+    check_methods(key, methods, where)
 
 
 def _check_file(key: str, value: Any, where: str) -> None:
@@ -294,7 +278,6 @@ def _check_section(key: str, value: Any, where: str) -> None:
 
 
 _opt_str = partial(check_str, optional=True)
-_METHOD_LISTS = ("ks", "temperatures", "batch_sizes")  # eval lists a method may replace
 _EVAL_RULES = {
     "enabled": check_bool, "every_steps": partial(check_int, minimum=0),
     "every_num_prompts": partial(check_int, minimum=1), "methods": _check_methods,

@@ -75,7 +75,7 @@ class LLM:
         self.max_num_seqs, self.seed = max_num_seqs, seed
         self.num_threads = num_threads
         if self.device.type == "cpu":
-            GOVERNOR.start(num_threads)  # infer/foundation/threads.py: steady beside other processes
+            GOVERNOR.start(num_threads)  # steady beside other processes (foundation/threads.py)
         self.enforce_eager, self.gpu_memory_utilization = enforce_eager, gpu_memory_utilization
         self.timers: EngineTimers | None = None
         kv_dtype, cfg = self.target.dtype, self.target.model.config

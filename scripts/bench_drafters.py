@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from infer.eval.harness import HarnessConfig, run_harness
+from infer.eval.options import HarnessOptions
 from train.config import register_configs
 from train.evaluate import eval_prompts
 from train.pipeline import run
@@ -94,8 +95,9 @@ def main() -> None:
                if k <= max_k(spec)]
     cfg = compose_recipe(args.recipes[0], None)
     cfg.eval.num_prompts, cfg.eval.requests_per_slot = args.prompts, 0  # batch 1 only
-    report = run_harness(target, configs, eval_prompts(cfg, target), max_tokens=args.max_tokens,
-                         output_dir=OUT / "harness", device="cpu", ignore_eos=True)
+    report = run_harness(target, configs, eval_prompts(cfg, target),
+                         HarnessOptions(max_tokens=args.max_tokens, device="cpu",
+                                        ignore_eos=True), output_dir=OUT / "harness")
     text = render(args, train_rows, report)
     print(text)
     if args.record:

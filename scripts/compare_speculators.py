@@ -334,6 +334,7 @@ def evaluate(info: dict, heads: dict[str, Path], eval_dir: Path, num_prompts: in
     """Every head through draftsmith's harness in one engine: k = 3, greedy, batch 8, the
     embedded held-out prompts (train.evaluate.eval_prompts, as ``python train.py`` uses)."""
     from infer.eval.harness import HarnessConfig, run_harness
+    from infer.eval.options import HarnessOptions
     from train.evaluate import eval_prompts
 
     cfg = compose([f"output_dir={eval_dir.parent / 'shared'}", f"eval.num_prompts={num_prompts}",
@@ -341,8 +342,8 @@ def evaluate(info: dict, heads: dict[str, Path], eval_dir: Path, num_prompts: in
     configs = [HarnessConfig({"method": "eagle3", "model": str(path)}, k=3, temperature=0.0,
                              batch_size=8, method=name) for name, path in heads.items()]
     report = run_harness(info["target_dir"], configs, eval_prompts(cfg, info["target_dir"]),
-                         max_tokens=max_tokens, output_dir=eval_dir, warmup=False,
-                         seed=seed)
+                         HarnessOptions(max_tokens=max_tokens, warmup=False, seed=seed),
+                         output_dir=eval_dir)
     return {r.method: {"acceptance_length": r.acceptance_length,
                        "per_position": list(r.per_position), "lossless": r.lossless}
             for r in report.results}

@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infer.eval.chat_prompts import HELDOUT  # noqa: E402
-from infer.eval.harness import run_harness  # noqa: E402
+from infer.eval.harness import expand_matrix, run_harness  # noqa: E402
+from infer.eval.options import HarnessOptions  # noqa: E402
 from infer.eval.machine import other_cores_now  # noqa: E402
 from infer.spec_config import METHODS  # noqa: E402
 from infer.target import Target  # noqa: E402
@@ -77,8 +78,8 @@ def wait_until_idle(max_seconds: float = 60.0) -> float | None:
 
 def draftsmith_speedups(target: Target, spec: dict, k: int, batches: list[int],
                         prompts: list[str], max_tokens: int) -> dict[int, dict]:
-    report = run_harness(target, {"methods": [spec], "ks": [k], "batch_sizes": batches},
-                         prompts, max_tokens=max_tokens, ignore_eos=True)
+    report = run_harness(target, expand_matrix([spec], [k], batch_sizes=batches), prompts,
+                         HarnessOptions(max_tokens=max_tokens, ignore_eos=True))
     return {r.batch_size: {"speedup": r.speedup, "acceptance_length": r.acceptance_length,
                            "tok_s": r.tok_s, "ar_tok_s": r.ar_tok_s,
                            "cost_draft_per_k": r.cost_draft / k, "lossless": r.lossless,

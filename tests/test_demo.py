@@ -91,3 +91,26 @@ def test_parallel_drafter_beats_the_untrained_draft_lm(path):
               and (r["temperature"], r["batch_size"], r["k"]) == (0.0, row["batch_size"], row["k"])]
         assert lm, f"no untrained draft_model row beside {name} at k={row['k']}"
         assert row["acceptance_length"] > lm[0]["acceptance_length"], (row, lm[0])
+
+
+# ---- the real target (`make smoke-real`: smollm2_eagle3 on a few minutes' budget) ---------------
+
+REAL_SMOKE_FLOOR = 1.05  # greedy acceptance length at k=3 of a 60-step head
+
+
+@pytest.fixture(scope="module")
+def real_report():
+    path = os.environ.get("DRAFTSMITH_REAL_RESULTS")
+    if not path:
+        pytest.skip("DRAFTSMITH_REAL_RESULTS not set (run `make smoke-real` first; .ci/run does)")
+    return json.loads(Path(path).read_text())
+
+
+def test_real_target_head_is_lossless_and_drafts(real_report):
+    """On SmolLM2 the head must serve greedy output identical to plain decoding and accept
+    something: a conversion, template or export regression shows here as a mismatch or ~1.0."""
+    rows = [r for r in real_report["results"] if r["method"] == "smollm2_smoke"]
+    assert rows, "no smollm2_smoke rows in the smoke run's results"
+    for row in rows:
+        assert row["lossless"], row
+        assert row["acceptance_length"] > REAL_SMOKE_FLOOR, row

@@ -109,7 +109,8 @@ def test_the_cycle_finder_finds_cycles():
 def test_light_helpers_import_without_torch():
     """What ``train/`` (and the entry points' config) use from ``infer/`` loads without torch
     or the engine: ``import infer.foundation.validation`` in a fresh process stays cheap."""
-    code = ("import sys, infer.foundation.validation, infer.foundation.atomic, infer.foundation.registry, infer.config_docs, "
+    code = ("import sys, infer.foundation.validation, infer.foundation.atomic, "
+            "infer.foundation.registry, infer.config_docs, "
             "infer.data_sources, infer.config, infer.sampling_params; "
             "print(sorted(m for m in ('torch', 'infer.engine', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

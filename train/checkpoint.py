@@ -35,7 +35,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from infer.foundation.atomic import atomic_dir, remove_leftovers, replace_dir, temp_path, umask_modes
+from infer.foundation.atomic import (atomic_dir, remove_leftovers, replace_dir, temp_path,
+                                     umask_modes)
 from infer.foundation.errors import ConfigError, FileFormatError, MissingFileError
 from train import fingerprint
 from train.fingerprint import digest

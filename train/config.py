@@ -23,8 +23,9 @@ from omegaconf import OmegaConf
 
 from infer.config import Dtype, EvalConfig, EvalEngine, LoggerKind
 from infer.config_docs import register_help_resolver
-from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields, check_float,
-                              check_int, check_list, check_str, config_error)
+from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields,
+                                         check_float, check_int, check_list, check_str,
+                                         config_error)
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "tiny_eagle3"
@@ -372,9 +373,8 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=_default_eval)
     """End-of-training acceptance harness (the trained drafter beside eval.methods)."""
     plan: bool = False
-    """Print what the run will cost (tokens, steps, offline-cache bytes, target GPU memory per
-    rank; train/plan.py) and exit without training: read before hours on a big target are
-    spent. Reads the target's config.json only; refuses an offline cache the disk cannot hold."""
+    """Print what the run will cost (tokens, steps, cache bytes, target GPU memory per rank;
+    train/plan.py) and exit, reading config.json only (a named target is converted first)."""
 
     @property
     def run_dir(self) -> Path:

@@ -10,33 +10,30 @@ autoregressive decoding at the same batch size) is what ``results.json`` / W&B g
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from infer.foundation.errors import ConfigError
 from infer.eval.harness import HarnessConfig, expand_matrix, run_harness
-from infer.eval.prompt_sets import load_prompts, render_prompt
+from infer.eval.methods import with_paired_draft
+from infer.eval.prompt_sets import eval_prompts as render_eval_prompts
 from infer.eval.results import HarnessReport
 from infer.foundation.tracking import Logger
 from train.config import TrainConfig
+from train.tiny.corpus import existing_paired_draft
 
 
 def eval_prompts(cfg: TrainConfig, target_dir: str) -> list[Any]:
     """``eval.dataset`` rendered with the target's chat template, else held-out code prompts
-    (each sent as one user message, as the drafter saw its training prompts)."""
+    (each sent as one user message, as the drafter saw its training prompts); one
+    implementation with infer.py's (infer/eval/prompt_sets.py:eval_prompts)."""
     from infer.foundation.files import load_tokenizer
 
     from train.tiny.examples import heldout_prompts
 
     ev = cfg.eval
     tokenizer = load_tokenizer(target_dir, key="target.path")
-    kwargs = template_kwargs(cfg)
-    if ev.dataset:
-        return load_prompts(ev.dataset, num=ev.prompts_needed(), split=ev.dataset_split,
-                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
-                            template_kwargs=kwargs)
-    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat, kwargs)
-            for p in heldout_prompts(ev.prompts_needed(), seed=cfg.seed)]
+    default = None if ev.dataset else heldout_prompts(ev.prompts_needed(), seed=cfg.seed)
+    return render_eval_prompts(ev, tokenizer, default, template_kwargs(cfg))
 
 
 def template_kwargs(cfg: TrainConfig) -> dict[str, Any]:
@@ -60,22 +57,8 @@ def harness_configs(cfg: TrainConfig, drafter_spec: dict,
     drafter = {"name": cfg.name, **{k: v for k, v in drafter_spec.items()
                                      if k != "num_speculative_tokens"}}
     ev = cfg.eval
-    methods = [drafter] + [m for m in (_with_paired_draft(m, target_dir) for m in ev.methods) if m]
+    methods = [drafter] + with_paired_draft(ev.methods, existing_paired_draft(target_dir))
     return expand_matrix(methods, ev.ks, ev.temperatures, ev.batch_sizes)
-
-
-def _with_paired_draft(method: Any, target_dir: str | None) -> dict | None:
-    method = dict(method)
-    if method.get("method") != "draft_model" or method.get("model"):
-        return method
-    from train.tiny.corpus import paired_draft_dir
-
-    paired = paired_draft_dir(Path(target_dir)) if target_dir else None
-    if paired is None or not (paired / "config.json").is_file():
-        print("eval: no draft LM is paired with this target; the draft_model row is skipped "
-              "(give eval.methods a draft_model entry with a model)")
-        return None
-    return {**method, "model": str(paired)}
 
 
 def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logger,
@@ -84,10 +67,11 @@ def evaluate(cfg: TrainConfig, target_dir: str, drafter_spec: dict, logger: Logg
     results.md, plots), print a summary, log to ``logger``."""
     ev = cfg.eval
     out = ev.output_dir or cfg.run_dir / "eval"
+    options = ev.harness_options(device=device, seed=cfg.seed,
+                                 num_threads=cfg.trainer.num_threads)
     report = run_harness(target_dir, harness_configs(cfg, drafter_spec, target_dir),
-                         eval_prompts(cfg, target_dir), output_dir=out, logger=logger,
-                         device=device, seed=cfg.seed, step=step, prefix="eval",
-                         num_threads=cfg.trainer.num_threads, **ev.harness_options())
+                         eval_prompts(cfg, target_dir), options, output_dir=out, logger=logger,
+                         step=step, prefix="eval")
     print(summary(report))
     print(f"acceptance report: {out}/results.md")
     return report

@@ -67,7 +67,8 @@ def run(cfg: TrainConfig) -> RunResult | RunPlan:
     with ``plan=true`` only the cost estimate (train/plan.py): nothing is loaded or written.
 
     The output folders are checked for writability first. SIGINT / SIGTERM raise
-    ``infer.foundation.errors.Interrupted`` (exit 130 / 143 at the entry point): at once outside the
+    ``infer.foundation.errors.Interrupted`` (exit 130 / 143 at the entry point): at once outside
+    the
     training loop, where every phase resumes from what it finished (temporaries of writes in
     progress are removed as the exception unwinds), and after checkpointing the current step
     inside it (train/trainer.py)."""

@@ -183,9 +183,11 @@ def train(cfg, objective, source: FeatureSource, *, pad_id: int, run_dir: Path, 
 
     SIGINT / SIGTERM (main thread) ask the loop to stop. The request is voted on in the one sync
     of the next optimizer step (``Meter.end_step``: no extra collective), so every rank, signalled
-    or not, stops after that same step: it is checkpointed, then ``infer.foundation.errors.Interrupted``
+    or not, stops after that same step: it is checkpointed, then
+    ``infer.foundation.errors.Interrupted``
     names the checkpoint; a rerun resumes from it exactly. A repeated signal aborts without
-    saving (``infer/foundation/signals.py``); one arriving after the last step goes to the caller's handler."""
+    saving (``infer/foundation/signals.py``); one arriving after the last step goes to the
+    caller's handler."""
     loop = _StageLoop(cfg, objective, source, pad_id, run_dir, logger, stage, accelerator,
                       optimizer_state, served)
     if loop.acc.device.type == "cpu":

@@ -2,7 +2,8 @@
 Hugging Face config dict of a draft layer.
 
 Checkpoints are a directory with ``config.json`` + ``model.safetensors`` (what vLLM and SGLang
-load). Writes are atomic (``infer/foundation/atomic.py``), so a crash mid-save never leaves a half-written
+load). Writes are atomic (``infer/foundation/atomic.py``), so a crash mid-save never leaves a
+half-written
 checkpoint that a later load would half-trust. Reads reuse the target loader's directory /
 safetensors rules (local dir or cached hub id; pickled weights are refused).
 """

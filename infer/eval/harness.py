@@ -1,6 +1,6 @@
 """Acceptance evaluation harness: a matrix of speculative configurations over a prompt set.
 
-``run_harness(target, configs, prompts, max_tokens=..., output_dir=...)`` runs every
+``run_harness(target, configs, prompts, HarnessOptions(...), output_dir=...)`` runs every
 configuration (method x k x temperature x batch size) with draftsmith's engine, once more without
 speculation per (batch size, temperature) as the baseline, and returns a ``HarnessReport``; with
 ``output_dir`` it writes ``results.json``, ``results.md`` and PNG plots there (see
@@ -31,7 +31,6 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -41,7 +40,9 @@ from infer.engine import LLM
 from infer.eval.advisor import advise, predicted_speedup
 from infer.eval.vllm_engine import (VllmEngine, cpu_defaults, engine_dtype, for_vllm,
                                      vllm_has_cuda)
+from infer.eval.methods import check_methods
 from infer.eval.machine import CpuMonitor, CpuWindow, machine_settings
+from infer.eval.options import HarnessOptions
 from infer.eval.prompt_sets import load_prompts, prompt_from_record, render_prompt  # noqa: F401
 from infer.eval.results import Baseline, ConfigResult, HarnessReport
 from infer.metrics import SpecMetrics
@@ -52,13 +53,10 @@ from infer.spec_config import SpeculativeConfig
 from infer.target import Target
 from infer.timing import EngineTimers
 from infer.foundation.tracking import Logger, NoopLogger
-from infer.foundation.validation import check_float, check_int, check_list, config_error
+from infer.foundation.validation import check_float, check_int, config_error
 
 log = logging.getLogger(__name__)
 _WHERE = "harness"
-_K = partial(check_int, minimum=1)  # a num_speculative_tokens value
-#: a method's own lists in place of the matrix's, and how their items are checked
-_OWN_LISTS = {"ks": _K, "temperatures": partial(check_float, low=0.0), "batch_sizes": _K}
 
 
 # ---- the matrix -----------------------------------------------------------------------------
@@ -100,39 +98,16 @@ class HarnessConfig:
 def expand_matrix(methods: Sequence[Mapping[str, Any]], ks: Sequence[int],
                   temperatures: Sequence[float] = (0.0,),
                   batch_sizes: Sequence[int] = (1,)) -> list[HarnessConfig]:
-    """methods x ks x temperatures x batch sizes. A method is a speculative_config mapping with
-    an optional ``name`` (its label; default the method, which must then be unique) and optional
-    ``ks`` / ``temperatures`` / ``batch_sizes`` of its own in place of the matrix's (a baseline
-    row that needs one k only; a draft tree, which applies to greedy batch-1 steps only)."""
+    """methods x ks x temperatures x batch sizes; each method as ``infer/eval/methods.py``
+    describes it (its label, its own lists in place of the matrix's), checked there."""
     if not methods or not ks or not temperatures or not batch_sizes:
         raise config_error("methods/ks/temperatures/batch_sizes",
                            [list(methods), list(ks), list(temperatures), list(batch_sizes)],
                            "non-empty lists", _WHERE)
-    labelled = []
-    for i, m in enumerate(methods):
-        if not isinstance(m, Mapping):
-            raise config_error(f"methods[{i}]", m, "a speculative_config mapping", _WHERE)
-        m = dict(m)
-        if "num_speculative_tokens" in m:
-            raise config_error(f"methods[{i}].num_speculative_tokens", m["num_speculative_tokens"],
-                               "no value: k comes from the 'ks' list", _WHERE)
-        name = m.pop("name", None) or m.get("method")
-        own = [m.pop(key, None) for key in _OWN_LISTS]  # ks, temperatures, batch_sizes
-        for key, values in zip(_OWN_LISTS, own):
-            check_list(f"methods[{i}].{key}", values, _WHERE, item=_OWN_LISTS[key],
-                       optional=True)
-        if not name:  # method inferred from the draft (validates the mapping early, too)
-            name = SpeculativeConfig.parse({**m, "num_speculative_tokens": 1}).method
-        lists = [mine or given for mine, given in zip(own, (ks, temperatures, batch_sizes))]
-        labelled.append((str(name), m, *lists))
-    names = [n for n, *_ in labelled]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise config_error("methods", names, f"unique labels; give each of {dupes} a 'name'",
-                           _WHERE)
-    return [HarnessConfig(m, int(k), float(t), int(b), name)
-            for name, m, m_ks, m_ts, m_bs in labelled for k in m_ks for t in m_ts for b in m_bs]
-
+    entries = check_methods("methods", methods, _WHERE, ks_key="the 'ks' list")
+    return [HarnessConfig(e.spec, int(k), float(t), int(b), e.label) for e in entries
+            for k in e.ks or ks for t in e.temperatures or temperatures
+            for b in e.batch_sizes or batch_sizes]
 
 
 # ---- one run --------------------------------------------------------------------------------
@@ -309,44 +284,34 @@ class _Matrix:
                 "machine": machine_settings()}
 
 
-def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping[str, Any],
-                prompts: Sequence[Any], *, max_tokens: int = 64,
+def run_harness(target: str | Target, configs: Sequence[HarnessConfig], prompts: Sequence[Any],
+                options: HarnessOptions = HarnessOptions(), *,
                 output_dir: str | Path | None = None, logger: Logger | None = None,
-                device: str = "auto", dtype: str = "auto", seed: int = 0,
-                max_model_len: int | None = None, ignore_eos: bool = False, warmup: bool = True,
-                step: int | None = None, prefix: str = "eval",
-                num_threads: int | None = None, engine: str = "draftsmith",
-                vllm_python: str | None = None, tensor_parallel_size: int = 1,
-                num_prompts: int | None = None, requests_per_slot: int = 0,
-                repeats: int = 1) -> HarnessReport:
-    """Run the matrix (configs, or a mapping of ``expand_matrix`` arguments) on ``prompts``.
+                step: int | None = None, prefix: str = "eval") -> HarnessReport:
+    """Run ``configs`` (``expand_matrix``) on ``prompts`` as ``options`` say.
 
-    ``target``: a model directory (loaded once with device / dtype / max_model_len) or a loaded
-    :class:`~infer.target.Target` (which fixed those). Writes results.json / results.md / plots
-    into ``output_dir`` when given; logs per-config acceptance scalars, the results table and the
-    plots to ``logger`` at ``step`` under ``prefix``. ``num_threads``: CPU thread policy
-    (infer/foundation/threads.py; None: one per free core). ``engine="vllm"`` runs every configuration
-    on vLLM instead (infer/eval/vllm_engine.py: ``vllm_python`` None = vLLM importable here,
-    ``tensor_parallel_size`` for targets beyond one device); the target is then still loaded
-    here once, for its tokenizer. A batch-B run takes the first max(``num_prompts`` (None: all),
-    ``requests_per_slot`` x B) of ``prompts`` (EvalConfig.requests_per_slot says why).
-    ``repeats`` > 1: each row's speedup is the median over that many rounds of its cell
-    (EvalConfig.repeats, ``_Matrix.cell``). Returns the report.
+    ``target``: a model directory (loaded once with the options' device / dtype / max_model_len)
+    or a loaded :class:`~infer.target.Target` (which fixed those). Writes results.json /
+    results.md / plots into ``output_dir`` when given; logs per-config acceptance scalars, the
+    results table and the plots to ``logger`` at ``step`` under ``prefix``. ``engine="vllm"``
+    runs every configuration on vLLM instead (infer/eval/vllm_engine.py); the target is then
+    still loaded here once, for its tokenizer. A batch-B run takes the first max(num_prompts,
+    requests_per_slot x B) of ``prompts`` (EvalConfig.requests_per_slot says why); repeats > 1:
+    each row's speedup is the median over that many rounds of its cell (``_Matrix.cell``).
     """
-    configs = expand_matrix(**configs) if isinstance(configs, Mapping) else list(configs)
-    prompts = list(prompts)
+    o, configs, prompts = options, list(configs), list(prompts)
     if not prompts:
         raise ValueError("run_harness: no prompts")
     for cfg in configs:  # every config error before the first (possibly long) run
         cfg.spec()
-    check_int("max_tokens", max_tokens, _WHERE, minimum=1)
+    check_int("max_tokens", o.max_tokens, _WHERE, minimum=1)
     logger = logger or NoopLogger()
-    engine_llm = LLM(target, seed=seed, max_num_seqs=1, device=device, dtype=dtype,
-                     max_model_len=max_model_len, num_threads=num_threads)  # forked per run
-    vllm = _vllm_engine(engine, engine_llm.target.path, vllm_python, tensor_parallel_size,
-                        max_model_len, dtype, seed)
-    matrix = _Matrix(engine_llm, prompts, max_tokens, ignore_eos, warmup, vllm,
-                     num_prompts or len(prompts), requests_per_slot, repeats)
+    engine_llm = LLM(target, seed=o.seed, max_num_seqs=1, device=o.device, dtype=o.dtype,
+                     max_model_len=o.max_model_len, num_threads=o.num_threads)  # forked per run
+    vllm = _vllm_engine(o.engine, engine_llm.target.path, o.vllm_python,
+                        o.tensor_parallel_size, o.max_model_len, o.dtype, o.seed)
+    matrix = _Matrix(engine_llm, prompts, o.max_tokens, o.ignore_eos, o.warmup, vllm,
+                     o.num_prompts or len(prompts), o.requests_per_slot, o.repeats)
     _warn_short(matrix, configs)
     results: list[ConfigResult] = [None] * len(configs)  # type: ignore[list-item]
     for cell in _by_cell(configs):
@@ -359,8 +324,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig] | Mapping
         target=engine_llm.target.path,
         baselines=matrix.baselines, results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        settings=matrix.settings(dtype=dtype, seed=seed, engine=engine,
-                                 tensor_parallel_size=tensor_parallel_size))
+        settings=matrix.settings(dtype=o.dtype, seed=o.seed, engine=o.engine,
+                                 tensor_parallel_size=o.tensor_parallel_size))
     from infer.eval.report import log_report, write_report  # matplotlib: only when needed
 
     if output_dir is not None:

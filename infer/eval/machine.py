@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from infer.foundation.threads import CONTENTION_CORES, GOVERNOR, machine_busy_seconds, own_cpu_seconds
+from infer.foundation.threads import (CONTENTION_CORES, GOVERNOR, machine_busy_seconds,
+                                     own_cpu_seconds)
 
 
 @dataclass

@@ -102,3 +102,23 @@ def load_prompts(source: str, *, num: int | None = None, split: str = "test",
     if not prompts:
         raise ValueError(f"{source}: no prompts found")
     return prompts
+
+
+def eval_prompts(ev: Any, tokenizer: Any, default: Sequence[Any] | None,
+                 template_kwargs: Mapping[str, Any]) -> list[Any]:
+    """The prompts of an evaluation (``ev``: an ``EvalConfig``), for both entry points:
+    ``eval.dataset`` (chat template where a record is chat-style), else ``default`` (strings
+    sent as one user message each through the chat template unless ``eval.chat=false``; token-id
+    prompts pass through), the first ``ev.prompts_needed()``."""
+    from infer.foundation.errors import ConfigError
+
+    if ev.dataset:
+        return load_prompts(ev.dataset, num=ev.prompts_needed(), split=ev.dataset_split,
+                            subset=ev.dataset_subset, tokenizer=tokenizer, chat=ev.chat,
+                            template_kwargs=dict(template_kwargs))
+    if default is None:
+        raise ConfigError("mode=eval: give eval.dataset=... (json/jsonl file, dataset "
+                          "directory or hub id) with model=...")
+    return [render_prompt([{"role": "user", "content": p}], True, tokenizer, ev.chat,
+                          dict(template_kwargs)) if isinstance(p, str) else p
+            for p in list(default)[: ev.prompts_needed()]]

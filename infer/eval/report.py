@@ -1,6 +1,7 @@
 """The harness report's outputs: results.json, results.md, PNG plots, and W&B logging.
 
-Every file is written atomically (``infer/foundation/atomic.py``), so a reader (or a crashed run) never sees
+Every file is written atomically (``infer/foundation/atomic.py``), so a reader (or a crashed run)
+never sees
 half a file. Plots use matplotlib's object API with the Agg canvas
 (no pyplot state, no display needed):
 

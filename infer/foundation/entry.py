@@ -12,7 +12,8 @@ trace. So:
   keys; then it composes the config once (``check_overrides``) so that a misspelt key, a bad
   enum value or a type error is reported in one line with status 2 before Hydra starts.
 - :func:`user_errors` wraps the run: a :class:`~infer.foundation.errors.UserError` prints
-  ``prog: error: message`` and exits 2; :class:`~infer.foundation.errors.Interrupted` (SIGINT / SIGTERM
+  ``prog: error: message`` and exits 2; :class:`~infer.foundation.errors.Interrupted` (SIGINT /
+  SIGTERM
   after saving) prints its message and exits 128 + signal; any other exception keeps Hydra's
   traceback. ``HYDRA_FULL_ERROR=1`` re-raises everything, tracebacks included, for debugging.
 """

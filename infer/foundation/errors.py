@@ -2,7 +2,8 @@
 
 A ``UserError`` says that something the user gave is wrong (a config value, a file, a request)
 and its message alone tells them what to fix: ``python train.py`` and ``python infer.py`` print
-it on one line and exit with status 2 (``infer/foundation/entry.py``). Any other exception is a bug and
+it on one line and exit with status 2 (``infer/foundation/entry.py``). Any other exception is a
+bug and
 keeps its traceback. The subclasses also derive from the built-in exception a caller would
 expect (``ValueError``, ``FileNotFoundError``), so library users can catch those as before.
 

@@ -6,8 +6,10 @@ cannot install handlers: they are left alone and the phase runs unprotected):
 
 - :func:`raise_on_signals`: phases that are chunked and resumable on their own (data
   preparation, regeneration, the feature cache, export, evaluation). Either signal raises
-  :class:`~infer.foundation.errors.Interrupted` at once, so Python unwinds, ``finally`` blocks remove the
-  temporaries of writes in progress (infer/foundation/atomic.py), and finished chunks stay. Without it
+  :class:`~infer.foundation.errors.Interrupted` at once, so Python unwinds, ``finally`` blocks
+  remove the
+  temporaries of writes in progress (infer/foundation/atomic.py), and finished chunks stay.
+  Without it
   SIGTERM's default action ends the process on the spot and leaves those temporaries behind.
 - :class:`StopRequests`: the training loop. A signal only records a request; the trainer
   finishes the current optimizer step, saves a checkpoint and raises ``Interrupted`` itself

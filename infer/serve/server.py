@@ -3,7 +3,8 @@
 
 uvicorn runs in a background thread with its own event loop, the engine loop in another; the
 caller's thread only waits. That keeps one code path for the blocking entry point (which
-waits until Ctrl-C / SIGTERM, turned into ``Interrupted`` by ``infer/foundation/signals.py``, then shuts
+waits until Ctrl-C / SIGTERM, turned into ``Interrupted`` by ``infer/foundation/signals.py``, then
+shuts
 both down in order) and for a test that starts a server on a free port, talks to it, and
 closes it.
 """

@@ -22,11 +22,13 @@ def test_engines_share_a_loaded_target(tiny_target):
 
 
 def test_harness_runs_on_a_loaded_target(tiny_target):
-    from infer.eval.harness import run_harness
+    from infer.eval.harness import expand_matrix, run_harness
+    from infer.eval.options import HarnessOptions
 
     target = Target.load(tiny_target, device="cpu")
-    matrix = {"methods": [{"method": "ngram", "prompt_lookup_min": 1}], "ks": [2]}
-    report = run_harness(target, matrix, [[5, 6, 7, 5, 6, 7]], max_tokens=4, warmup=False)
+    matrix = expand_matrix([{"method": "ngram", "prompt_lookup_min": 1}], [2])
+    report = run_harness(target, matrix, [[5, 6, 7, 5, 6, 7]],
+                         HarnessOptions(max_tokens=4, warmup=False))
     assert report.target == tiny_target and report.results[0].lossless is True
     with pytest.raises(ValueError, match="'device': 'cpu'; expected 'auto' when a loaded"):
-        run_harness(target, matrix, [[5, 6]], max_tokens=4, device="cpu")
+        run_harness(target, matrix, [[5, 6]], HarnessOptions(max_tokens=4, device="cpu"))

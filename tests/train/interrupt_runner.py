@@ -1,6 +1,7 @@
 """Run by test_interrupted_runs.py in a subprocess, so that real signals can reach it.
 
-Each mode runs inside ``infer.foundation.entry.user_errors("train.py")``, the entry point's handling of
+Each mode runs inside ``infer.foundation.entry.user_errors("train.py")``, the entry point's
+handling of
 ``Interrupted`` (one line on stderr, exit 128 + signal), and writes nothing the test does not
 check. The command line is the same for a run and its rerun, as a user would type it again; the
 environment only says when to let the test send a signal:

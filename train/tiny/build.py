@@ -182,7 +182,8 @@ def load_meta(path: str | os.PathLike) -> dict:
 @contextlib.contextmanager
 def _torch_threads(n: int | None):
     """The build's torch threads: ``n``, or the thread policy (one per core other processes
-    leave free, re-checked while training: infer/foundation/threads.py). On 2 cores beside one busy process
+    leave free, re-checked while training: infer/foundation/threads.py). On 2 cores beside one
+    busy process
     two spin-waiting threads made a target step 0.8-1.8 s against ~0.4 s with one, while alone
     two threads train 1.65x faster than one."""
     before = GOVERNOR.fixed
@@ -324,7 +325,8 @@ def ensure_tiny_target(out_dir: str | os.PathLike | None = None, *, with_draft: 
 
     With ``with_draft`` (the default) the draft LM at ``draft_dir`` is ensured too, so callers may
     rely on ``paired_draft_dir(target)``. ``force`` rebuilds regardless. ``num_threads``: torch
-    threads while building (default: the thread policy of infer/foundation/threads.py). Default locations:
+    threads while building (default: the thread policy of infer/foundation/threads.py). Default
+    locations:
     ``<cache>/tiny-target`` and ``<cache>/tiny-draft`` (see ``default_cache_dir``).
     """
     cfg = _resolve(config, overrides)

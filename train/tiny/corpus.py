@@ -165,6 +165,14 @@ def paired_draft_dir(target_dir: Path) -> Path:
     return target_dir.with_name(target_dir.name + "-draft")
 
 
+def existing_paired_draft(target_dir: str | Path | None) -> Path | None:
+    """``paired_draft_dir(target_dir)`` when a model is there (None when not, or no target)."""
+    if target_dir is None:
+        return None
+    draft = paired_draft_dir(Path(target_dir))
+    return draft if (draft / "config.json").is_file() else None
+
+
 # ----------------------------------------------------------------------------- token streams
 
 def read_texts(root: Path, files: list[str]) -> list[str]:

@@ -15,6 +15,8 @@ from infer.eval.advisor import advise, advise_k, draft_cost_at, verify_cost_at
 from infer.engine import LLM
 from infer.eval.harness import (ConfigResult, HarnessConfig, HarnessReport, expand_matrix,
                            load_prompts, prompt_from_record, run_harness)
+from infer.eval.methods import with_paired_draft
+from infer.eval.options import HarnessOptions
 from infer.eval.report import PLOTS
 from infer.proposers import base
 from infer.proposers.base import Proposal, Proposer, pad_drafts
@@ -101,8 +103,9 @@ def test_scripted_metrics_outputs_and_logging(scripted, tiny_target, tmp_path):
     # [4, 3, 0]: acceptance length 1 + 7/4, rate 7/10, per-position [1, 3/4, 0].
     logger = RecordingLogger()
     configs = expand_matrix([{"name": "scripted", "method": "medusa", "model": SCRIPTED}], ks=[3], batch_sizes=[1, 2])
-    report = run_harness(tiny_target, configs, PROMPTS, max_tokens=MAX_TOKENS,
-                         output_dir=tmp_path, logger=logger, device="cpu")
+    report = run_harness(tiny_target, configs, PROMPTS,
+                         HarnessOptions(max_tokens=MAX_TOKENS, device="cpu"), output_dir=tmp_path,
+                         logger=logger)
     n = len(PROMPTS)
     assert [(r.method, r.k, r.batch_size) for r in report.results] == [("scripted", 3, 1),
                                                                          ("scripted", 3, 2)]
@@ -161,10 +164,9 @@ def test_lossless_mismatch_is_reported(scripted, tiny_target, tmp_path, caplog):
     spec = {"name": "broken", "method": "medusa", "model": SCRIPTED, "rejection_sample_method": "synthetic",
             "synthetic_acceptance_rate": 1.0}
     with caplog.at_level(logging.ERROR, logger="infer.eval.harness"):
-        report = run_harness(tiny_target, {"methods": [spec], "ks": [2],
-                                           "temperatures": [0.0, 1.0]},
-                             PROMPTS, max_tokens=6, output_dir=tmp_path, device="cpu",
-                             warmup=False)
+        report = run_harness(tiny_target, expand_matrix([spec], [2], temperatures=[0.0, 1.0]),
+                             PROMPTS, HarnessOptions(max_tokens=6, warmup=False, device="cpu"),
+                             output_dir=tmp_path)
     greedy, sampled = report.results
     assert greedy.lossless is False and greedy.mismatched_prompts == [0, 1, 2]
     assert greedy.acceptance_rate == 1.0
@@ -329,7 +331,7 @@ def test_infer_mode_eval(tiny_target, tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from infer.cli import check_mode, eval_prompts, run_eval, with_default_draft
+    from infer.cli import check_mode, eval_prompts, run_eval
     from infer.config import register_configs
 
     register_configs()
@@ -356,8 +358,10 @@ def test_infer_mode_eval(tiny_target, tmp_path):
     cfg.mode = "train"
     with pytest.raises(ValueError, match="'mode'"):
         check_mode(cfg)
-    assert with_default_draft([{"method": "draft_model"}, {"method": "ngram"}], "d") == [
+    assert with_paired_draft([{"method": "draft_model"}, {"method": "ngram"}], "d") == [
         {"method": "draft_model", "model": "d"}, {"method": "ngram"}]
+    assert with_paired_draft([{"method": "draft_model"}, {"method": "ngram"}], None) == [
+        {"method": "ngram"}]  # no draft LM paired with the target: the row is left out
 
 
 def test_harness_loads_the_target_once(tiny_target, monkeypatch):
@@ -368,9 +372,10 @@ def test_harness_loads_the_target_once(tiny_target, monkeypatch):
     real = infer.target.load_model
     monkeypatch.setattr(infer.target, "load_model",
                         lambda *a, **k: loads.append(a) or real(*a, **k))
-    report = run_harness(tiny_target, {"methods": [{"method": "ngram", "prompt_lookup_min": 1}],
-                                       "ks": [1, 2], "batch_sizes": [1, 2]},
-                         PROMPTS, max_tokens=4, device="cpu", warmup=False)
+    report = run_harness(tiny_target,
+                         expand_matrix([{"method": "ngram", "prompt_lookup_min": 1}], [1, 2],
+                                       batch_sizes=[1, 2]),
+                         PROMPTS, HarnessOptions(max_tokens=4, warmup=False, device="cpu"))
     assert len(report.results) == 4 and len(report.baselines) == 2
     assert len(loads) == 1
 
@@ -382,10 +387,10 @@ def test_batch_runs_take_requests_per_slot(tiny_target, caplog):
 
     many = PROMPTS * 2  # six prompts (repeats are fine for ngram's acceptance here)
     with caplog.at_level(logging.WARNING):
-        report = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [2],
-                                           "batch_sizes": [1, 2, 4]},
-                             many, max_tokens=4, device="cpu", warmup=False, num_prompts=1,
-                             requests_per_slot=2)
+        matrix = expand_matrix([{"method": "ngram"}], [2], batch_sizes=[1, 2, 4])
+        report = run_harness(tiny_target, matrix, many,
+                             HarnessOptions(max_tokens=4, warmup=False, num_prompts=1,
+                                            requests_per_slot=2, device="cpu"))
     served = {r.batch_size: r.num_prompts for r in report.results}
     assert served == {1: 2, 2: 4, 4: 6}  # batch 4 wants 8: the set has 6
     assert {b.batch_size: b.num_prompts for b in report.baselines} == served
@@ -394,9 +399,9 @@ def test_batch_runs_take_requests_per_slot(tiny_target, caplog):
     assert "batch 2" not in caplog.text
     assert report.settings["num_prompts"] == 1 and report.settings["requests_per_slot"] == 2
     assert "2 prompts at batch 1, 4 at batch 2, 6 at batch 4" in render_markdown(report)
-    whole = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [2],
-                                      "batch_sizes": [2]}, PROMPTS, max_tokens=4, device="cpu",
-                        warmup=False)  # defaults: every prompt at every batch size
+    whole = run_harness(tiny_target, expand_matrix([{"method": "ngram"}], [2], batch_sizes=[2]),
+                        PROMPTS, HarnessOptions(max_tokens=4, warmup=False, device="cpu"))
+    # defaults: every prompt at every batch size
     assert [r.num_prompts for r in whole.results] == [len(PROMPTS)]
 
 
@@ -412,9 +417,9 @@ def test_repeats_run_the_cell_in_rounds(tiny_target, monkeypatch):
     real = harness._measure
     monkeypatch.setattr(harness, "_measure", lambda engine, spec, *a: order.append(
         spec.num_speculative_tokens if spec else 0) or real(engine, spec, *a))
-    report = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1, 2],
-                                       "batch_sizes": [1]}, PROMPTS, max_tokens=4,
-                         device="cpu", warmup=False, repeats=3)
+    matrix = expand_matrix([{"method": "ngram"}], [1, 2], batch_sizes=[1])
+    report = run_harness(tiny_target, matrix, PROMPTS,
+                         HarnessOptions(max_tokens=4, warmup=False, repeats=3, device="cpu"))
     # the opening baseline (k 0), then per round both configurations and a baseline; the third
     # round starts at the second configuration
     assert order == [0, 1, 2, 0, 1, 2, 0, 2, 1, 0]
@@ -423,9 +428,8 @@ def test_repeats_run_the_cell_in_rounds(tiny_target, monkeypatch):
         assert row.speedup == statistics.median(row.speedup_runs)
     assert report.settings["repeats"] == 3
     assert "medians of 3 rounds" in render_markdown(report)
-    single = run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1],
-                                       "batch_sizes": [1]}, PROMPTS, max_tokens=4,
-                         device="cpu", warmup=False)
+    single = run_harness(tiny_target, expand_matrix([{"method": "ngram"}], [1], batch_sizes=[1]),
+                         PROMPTS, HarnessOptions(max_tokens=4, warmup=False, device="cpu"))
     assert single.results[0].speedup_runs == [] and "rounds" not in render_markdown(single)
 
 
@@ -439,9 +443,10 @@ def test_cells_run_back_to_back_between_two_baselines(tiny_target, monkeypatch):
     real = harness._measure
     monkeypatch.setattr(harness, "_measure", lambda engine, spec, prompts, params, batch, *a: (
         order.append((batch, spec is not None)) or real(engine, spec, prompts, params, batch, *a)))
-    report = run_harness(tiny_target, {"methods": [{"method": "ngram"}, {"method": "suffix"}],
-                                       "ks": [2], "batch_sizes": [1, 2]}, PROMPTS, max_tokens=4,
-                         device="cpu", warmup=False)
+    report = run_harness(tiny_target,
+                         expand_matrix([{"method": "ngram"}, {"method": "suffix"}], [2],
+                                       batch_sizes=[1, 2]),
+                         PROMPTS, HarnessOptions(max_tokens=4, warmup=False, device="cpu"))
     assert order == [(1, False), (1, True), (1, True), (1, False),
                      (2, False), (2, True), (2, True), (2, False)]
     assert [(r.method, r.batch_size) for r in report.results] == [  # the matrix's order
@@ -514,8 +519,8 @@ def test_warm_up_outputs_do_not_feed_timed_drafts(tiny_target, monkeypatch):
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(LLM, "generate", recording)
-    run_harness(tiny_target, {"methods": [{"method": "suffix"}], "ks": [2],
-                              "batch_sizes": [1]}, PROMPTS, max_tokens=4, device="cpu")
+    run_harness(tiny_target, expand_matrix([{"method": "suffix"}], [2], batch_sizes=[1]), PROMPTS,
+                HarnessOptions(max_tokens=4, device="cpu"))
     assert seen == [0, 0]  # warm-up, then the timed run: both from an empty global tree
 
 

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from infer.foundation.errors import ConfigError
-from infer.eval.harness import run_harness
+from infer.eval.harness import expand_matrix, run_harness
+from infer.eval.options import HarnessOptions
 from infer.eval.vllm_engine import VllmEngine, for_vllm
 from infer.spec_config import SpeculativeConfig
 
@@ -38,9 +39,9 @@ def test_refusals_name_the_key(tmp_path, tiny_target, monkeypatch):
     with pytest.raises(ConfigError, match="vLLM is not importable here"):
         VllmEngine("t")
     with pytest.raises(ValueError, match="'engine'"):
-        run_harness(tiny_target, {"methods": [{"method": "ngram"}], "ks": [1],
-                                  "batch_sizes": [1], "temperatures": [0.0]},
-                    [[1, 2, 3]], max_tokens=4, engine="tgi")
+        run_harness(tiny_target,
+                    expand_matrix([{"method": "ngram"}], [1], temperatures=[0.0], batch_sizes=[1]),
+                    [[1, 2, 3]], HarnessOptions(max_tokens=4, engine="tgi"))
 
 
 @pytest.mark.vllm
@@ -52,11 +53,11 @@ def test_matrix_on_vllm_maps_onto_results(make_tiny_llama, tmp_path):
     loopy_target = make_tiny_llama("vllm_target", hidden=128, heads=2, kv_heads=1, std=0.1,
                                    seed=1)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6]]
-    report = run_harness(loopy_target, {"methods": [{"method": "ngram", "prompt_lookup_min": 1,
-                                                     "prompt_lookup_max": 2}],
-                                        "ks": [2], "batch_sizes": [2], "temperatures": [0.0]},
-                         prompts, max_tokens=16, output_dir=tmp_path, engine="vllm",
-                         vllm_python=VLLM_PYTHON, ignore_eos=True, max_model_len=128)
+    ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    report = run_harness(loopy_target, expand_matrix([ngram], [2], batch_sizes=[2]), prompts,
+                         HarnessOptions(max_tokens=16, ignore_eos=True, engine="vllm",
+                                        vllm_python=VLLM_PYTHON, max_model_len=128),
+                         output_dir=tmp_path)
     row = report.results[0]
     assert row.lossless is True and row.tokens == 32
     assert row.num_drafts > 0 and 0 < row.num_accepted_tokens <= row.num_draft_tokens

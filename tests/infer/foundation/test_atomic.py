@@ -6,7 +6,8 @@ import stat
 
 import pytest
 
-from infer.foundation.atomic import atomic_dir, atomic_file, remove_leftovers, temp_path, write_text
+from infer.foundation.atomic import (atomic_dir, atomic_file, remove_leftovers, temp_path,
+                                     write_text)
 
 
 def test_write_text_replaces_and_leaves_no_temporary(tmp_path):

@@ -1,4 +1,5 @@
-"""SIGINT / SIGTERM policies (infer/foundation/signals.py), with real signals sent to this process."""
+"""SIGINT / SIGTERM policies (infer/foundation/signals.py), with real signals sent to this
+process."""
 
 import os
 import signal

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from infer.metrics import SpecMetrics
-from infer.foundation.tracking import (NoopLogger, WandbLogger, acceptance_scalars, has_wandb_api_key,
-                            make_logger, read_wandb_file, resolve_wandb_mode)
+from infer.foundation.tracking import (NoopLogger, WandbLogger, acceptance_scalars,
+                                       has_wandb_api_key, make_logger, read_wandb_file,
+                                       resolve_wandb_mode)
 
 
 def test_make_logger_kinds_and_ranks(tmp_path):
