@@ -17,6 +17,7 @@ from infer.engine import LLM
 from infer.foundation.errors import (FileFormatError, MissingFileError, NotWritableError,
                                      check_writable)
 from infer.foundation.files import load_tokenizer
+from infer.metrics import SpecMetrics
 from infer.sampling import SamplingParams
 from infer.foundation.validation import check_choice
 
@@ -58,14 +59,13 @@ def read_prompts(path: str) -> list[Any]:
     return prompts
 
 
-def metrics_table(metrics: dict, tok_s: float, k: int) -> str:
-    rates = " ".join(f"{r:.2f}" for r in metrics["per_position_rates"]) or "-"
-    rows = [("tokens/s", f"{tok_s:.1f}"), ("k", str(k)),
-            ("drafts", str(metrics["num_drafts"])),
-            ("draft tokens", str(metrics["num_draft_tokens"])),
-            ("accepted tokens", str(metrics["num_accepted_tokens"])),
-            ("acceptance rate", f"{metrics['acceptance_rate']:.3f}"),
-            ("mean acceptance length", f"{metrics['mean_acceptance_length']:.3f}"),
+def metrics_table(metrics: SpecMetrics, tok_s: float, k: int) -> str:
+    rates = " ".join(f"{r:.2f}" for r in metrics.per_position_rates) or "-"
+    rows = [("tokens/s", f"{tok_s:.1f}"), ("k", str(k)), ("drafts", str(metrics.num_drafts)),
+            ("draft tokens", str(metrics.num_draft_tokens)),
+            ("accepted tokens", str(metrics.num_accepted_tokens)),
+            ("acceptance rate", f"{metrics.acceptance_rate:.3f}"),
+            ("mean acceptance length", f"{metrics.mean_acceptance_length:.3f}"),
             ("per-position rates", rates)]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"| {name:<{width}} | {value} |" for name, value in rows)
@@ -98,7 +98,7 @@ def run(cfg: InferConfig, model: str, prompts: list[Any]) -> list[dict]:
     generated = sum(len(o.token_ids) for o in outputs)
     spec = llm.spec.to_json() if llm.spec else "none (autoregressive)"
     print(f"\nspeculative_config: {spec}")
-    print(metrics_table(llm.get_metrics(), generated / max(elapsed, 1e-9), llm.k))
+    print(metrics_table(llm.metrics, generated / max(elapsed, 1e-9), llm.k))
     if cfg.output:
         remove_leftovers(cfg.output)  # of a killed earlier write
         write_text(cfg.output, "".join(json.dumps(row) + "\n" for row in rows))

@@ -51,9 +51,8 @@ def engine_runner(target: str, spec, prompts, max_tokens: int, batch: int, devic
             llm.proposer.reset()  # outputs of the same prompts (suffix decoding's global tree)
         outs, elapsed, timers = timed_generate(llm, prompts, params)  # step / verify / propose
         tokens = sum(len(o.token_ids) for o in outs)
-        m = llm.get_metrics()
         return {"tok_s": tokens / elapsed, "tokens": tokens,
-                "accept_len": m["mean_acceptance_length"], "c_step": timers.step.mean,
+                "accept_len": llm.metrics.mean_acceptance_length, "c_step": timers.step.mean,
                 "c_verify": timers.verify.mean, "c_draft": timers.draft.mean,
                 "steps": timers.step.calls, "prefill_s": timers.prefill.seconds,
                 "outputs": [o.token_ids for o in outs]}

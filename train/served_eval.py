@@ -80,10 +80,10 @@ class ServedEval:
             llm.generate(self.prompts, SamplingParams(temperature=0.0,
                                                       max_tokens=self.max_tokens),
                          use_tqdm=False)
-            metrics = llm.get_metrics()
+            metrics = llm.metrics
         if not was_loaded:
             self.target.release()  # offline training keeps only the heads in memory
-        out = {"acceptance_length": float(metrics["mean_acceptance_length"])}
-        for i, rate in enumerate(metrics["per_position_rates"]):
+        out = {"acceptance_length": float(metrics.mean_acceptance_length)}
+        for i, rate in enumerate(metrics.per_position_rates):
             out[f"acceptance_rate_pos_{i}"] = float(rate)
         return out
