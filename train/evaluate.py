@@ -50,12 +50,11 @@ def template_kwargs(cfg: TrainConfig) -> dict[str, Any]:
 
 def harness_configs(cfg: TrainConfig, drafter_spec: dict,
                     target_dir: str | None = None) -> list[HarnessConfig]:
-    """The drafter (labelled by the recipe name) and each of ``eval.methods``, at every
-    ``eval.ks`` x ``eval.temperatures`` x ``eval.batch_sizes``. A ``draft_model`` entry without
-    a ``model`` is the draft LM paired with the target (the embedded tiny draft); skipped, with a
-    note, when the target has none."""
-    drafter = {"name": cfg.name, **{k: v for k, v in drafter_spec.items()
-                                     if k != "num_speculative_tokens"}}
+    """The drafter (``drafter_spec``: its served config without k, ``Objective.served_config``;
+    labelled by the recipe name) and each of ``eval.methods``, at every ``eval.ks`` x
+    ``eval.temperatures`` x ``eval.batch_sizes``. A ``draft_model`` entry without a ``model`` is
+    the draft LM paired with the target (``with_paired_draft``)."""
+    drafter = {"name": cfg.name, **drafter_spec}
     ev = cfg.eval
     methods = [drafter] + with_paired_draft(ev.methods, existing_paired_draft(target_dir))
     return expand_matrix(methods, ev.ks, ev.temperatures, ev.batch_sizes)

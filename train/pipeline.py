@@ -319,8 +319,7 @@ def evaluate_drafter(cfg: TrainConfig, target_dir: str, objective: Objective, lo
     """The exported drafter through the acceptance harness (train/evaluate.py)."""
     from train.evaluate import evaluate
 
-    k = max(cfg.eval.ks)
-    return evaluate(cfg, target_dir, objective.speculative_config(cfg.final_dir, k), logger,
+    return evaluate(cfg, target_dir, objective.served_config(cfg.final_dir), logger,
                     step=step, device=cfg.trainer.device)
 
 
