@@ -48,6 +48,20 @@ def test_a_read_only_directory_is_refused(tmp_path):
         check_infer_outputs(InferConfig(output=str(ro / "out.jsonl")))
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs sysfs")
+def test_a_read_only_filesystem_is_refused_even_for_root(tmp_path):
+    """sysfs takes no new files from anyone, though ``os.access`` says root may write there:
+    the check creates a file to know, in infer.py and train.py alike."""
+    with pytest.raises(NotWritableError, match=r"output='/sys/out.jsonl': cannot create files"):
+        check_infer_outputs(InferConfig(output="/sys/out.jsonl"))
+    with pytest.raises(NotWritableError, match=r"output_dir='/sys/runs/tiny_eagle3': cannot create"):
+        check_train_outputs(TrainConfig(output_dir="/sys/runs"))
+    existing = tmp_path / "out.jsonl"
+    existing.write_text("kept\n")
+    check_infer_outputs(InferConfig(output=str(existing)))  # probed without being changed
+    assert existing.read_text() == "kept\n" and os.listdir(tmp_path) == ["out.jsonl"]
+
+
 def test_train_outputs(tmp_path, blocked):
     check_train_outputs(TrainConfig(output_dir=str(tmp_path / "new")))
     with pytest.raises(NotWritableError, match=r"output_dir=.*cannot create files under"):

@@ -17,8 +17,10 @@ Torch-free: imported by config classes and by the entry points before anything h
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 
@@ -67,13 +69,25 @@ class Interrupted(KeyboardInterrupt):
 def check_writable(path: str | os.PathLike, key: str) -> None:
     """Raise ``NotWritableError`` unless ``path`` (a file or directory to be written, maybe not
     existing yet) can be created and written: checked before any work starts, so a long run
-    never ends by losing its results to a permission error."""
+    never ends by losing its results to a permission error. Probed by writing, not by
+    ``os.access``, which says yes to root on a read-only filesystem."""
     p = Path(path).expanduser().absolute()
-    if p.exists() and not os.access(p, os.W_OK):
-        raise NotWritableError(f"{key}={str(path)!r}: {p} is not writable")
-    parent = p.parent
+    if p.is_file():
+        try:  # append mode: nothing written, nothing truncated
+            with open(p, "a"):
+                pass
+        except OSError as err:
+            raise NotWritableError(f"{key}={str(path)!r}: {p} is not writable "
+                                   f"({err.strerror})") from None
+        return
+    parent = p if p.is_dir() else p.parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        with tempfile.TemporaryFile(dir=parent, prefix=".draftsmith-probe-"):
+            pass
+    except OSError as err:
         raise NotWritableError(f"{key}={str(path)!r}: cannot create files under {parent} "
-                               "(not a writable directory)")
+                               f"(not a writable directory: {err.strerror})") from None
