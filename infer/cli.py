@@ -114,7 +114,8 @@ def run_serve(cfg: InferConfig, model: str) -> None:
     check_port(s.host, s.port)  # before the model loads
     llm = make_llm(cfg, model)
     with start_server(llm, host=s.host, port=s.port, model_name=s.served_model_name or model,
-                      log_level=str(s.log_level.value)) as server:
+                      log_level=str(s.log_level.value),
+                      spec_stats=str(s.per_request_spec_decode_metrics.value)) as server:
         spec = llm.spec.to_json() if llm.spec else "none (autoregressive)"
         print(f"draftsmith serving {server.served.name!r} at {server.url}/v1 "
               f"(speculative_config: {spec}; metrics at {server.url}/metrics; Ctrl-C stops)",

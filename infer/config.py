@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from infer.config_docs import register_help_resolver
 from infer.eval.methods import check_methods
 from infer.eval.options import HarnessOptions
+from infer.serve.spec_stats import SpecStatsLevel
 from infer.foundation.errors import MissingFileError
 from infer.sampling_params import SamplingParams
 from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields,
@@ -183,6 +184,9 @@ class ServeConfig:
     """The name clients pass as "model" (and /v1/models lists); None: the model path."""
     log_level: LogLevel = LogLevel.warning
     """uvicorn's log level (debug, info, warning, error): info logs every request."""
+    per_request_spec_decode_metrics: SpecStatsLevel = SpecStatsLevel.none
+    """vLLM's flag: each response's metrics.speculative_decoding (summary: counts, rates,
+    acceptance histogram; detailed: also every step's; infer/serve/spec_stats.py)."""
 
     def validate(self, where: str) -> None:
         check_fields(self, "serve", _SERVE_RULES, where)
@@ -296,7 +300,8 @@ _EVAL_RULES = {
 _SERVE_RULES = {
     "host": check_str, "port": partial(check_int, minimum=0, maximum=65535),
     "served_model_name": _opt_str,
-    "log_level": partial(check_choice, choices=LogLevel)}
+    "log_level": partial(check_choice, choices=LogLevel),
+    "per_request_spec_decode_metrics": partial(check_choice, choices=SpecStatsLevel)}
 _INFER_RULES = {
     "mode": partial(check_choice, choices=Mode), "model": _opt_str, "tokenizer": _opt_str,
     "speculative_config": _check_spec, "sampling": _check_sampling,

@@ -343,6 +343,8 @@ class LLM:
         kept = req.append(emitted, self.eos_ids, self.max_model_len)
         step = SpecMetrics()
         step.record(drafted, min(accepted, kept))  # tokens after a stop are not counted
+        if req.step_log is not None and drafted > 0:
+            req.step_log.append((drafted, min(accepted, kept)))
         req.metrics.merge(step)
         self.metrics.merge(step)
         return emitted[:kept]

@@ -72,6 +72,8 @@ class Request:
     error: str | None = None  # why it was refused; it then never runs (finish_reason "error")
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     stop_strings: StopStrings | None = None  # set when params.stop is not empty
+    step_log: list[tuple[int, int]] | None = None  # (drafted, accepted) per step, when a
+    # server reports detailed per-request stats (infer/serve/spec_stats.py)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

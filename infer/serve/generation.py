@@ -26,6 +26,7 @@ from infer.foundation.errors import ConfigError
 from infer.request import Request, make_request
 from infer.serve.engine_loop import EngineLoop, TokenUpdate
 from infer.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SampledRequest
+from infer.serve.spec_stats import SpecStatsLevel, request_spec_stats
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ServedModel:
     llm: LLM
     loop: EngineLoop
     name: str
+    spec_stats: SpecStatsLevel = SpecStatsLevel.none  # per-request stats in responses
 
     def check_name(self, requested: str | None) -> None:
         """vLLM: a request for another model is a 404."""
@@ -54,9 +56,13 @@ class Job:
     created: int
 
     @classmethod
-    def new(cls, kind: str, requests: list[Request], model: str) -> "Job":
+    def new(cls, kind: str, requests: list[Request], served: ServedModel) -> "Job":
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return cls(kind, requests, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        if served.spec_stats == SpecStatsLevel.detailed:
+            for r in requests:
+                r.step_log = []
+        return cls(kind, requests, served.name, f"{prefix}-{uuid.uuid4().hex}",
+                   int(time.time()))
 
 
 def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
@@ -64,7 +70,7 @@ def completion_job(body: CompletionRequest, served: ServedModel) -> Job:
     body.check_supported()
     requests = [engine_request(i, p, body, body.max_tokens, served.llm, "prompt")
                 for i, p in enumerate(body.prompts())]
-    return Job.new("completion", requests, served.name)
+    return Job.new("completion", requests, served)
 
 
 def chat_job(body: ChatCompletionRequest, served: ServedModel) -> Job:
@@ -72,7 +78,7 @@ def chat_job(body: ChatCompletionRequest, served: ServedModel) -> Job:
     body.check_supported()
     ids = chat_prompt_ids(body, served.llm.tokenizer)
     request = engine_request(0, ids, body, body.requested_max_tokens, served.llm, "messages")
-    return Job.new("chat", [request], served.name)
+    return Job.new("chat", [request], served)
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
@@ -142,6 +148,19 @@ def usage(job: Job, finals: dict[int, TokenUpdate]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
+def spec_metrics(job: Job, served: ServedModel) -> dict[str, Any]:
+    """``{"metrics": {"speculative_decoding": ...}}`` when the server reports per-request stats
+    (read once the requests finished: the engine thread no longer touches them); the stats are
+    null without speculation or with more than one choice."""
+    if served.spec_stats == SpecStatsLevel.none:
+        return {}
+    stats = None
+    if served.llm.spec is not None and len(job.requests) == 1:
+        r = job.requests[0]
+        stats = request_spec_stats(r.metrics, served.llm.k, r.step_log)
+    return {"metrics": {"speculative_decoding": stats}}
+
+
 async def respond(job: Job, served: ServedModel) -> dict[str, Any]:
     """The non-streaming answer: every choice's full text, finish reason and usage."""
     finals: dict[int, TokenUpdate] = {}
@@ -162,4 +181,4 @@ async def respond(job: Job, served: ServedModel) -> dict[str, Any]:
                         "finish_reason": u.finish_reason, "stop_reason": u.stop_reason})
     obj = "chat.completion" if job.kind == "chat" else "text_completion"
     return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
-            "choices": choices, "usage": usage(job, finals)}
+            "choices": choices, "usage": usage(job, finals), **spec_metrics(job, served)}

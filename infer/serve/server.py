@@ -24,6 +24,7 @@ from infer.serve.app import build_app
 from infer.serve.engine_loop import EngineLoop
 from infer.serve.generation import ServedModel
 from infer.serve.prometheus import ServeMetrics
+from infer.serve.spec_stats import SpecStatsLevel
 from infer.foundation.threads import GOVERNOR
 
 _START_TIMEOUT_S = 60.0
@@ -69,13 +70,15 @@ def check_port(host: str, port: int) -> None:
 
 
 def start_server(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000,
-                 model_name: str | None = None, log_level: str = "warning") -> RunningServer:
-    """Serve ``llm`` on ``host:port`` (0: a free port) and return once it accepts requests."""
+                 model_name: str | None = None, log_level: str = "warning",
+                 spec_stats: str = "none") -> RunningServer:
+    """Serve ``llm`` on ``host:port`` (0: a free port) and return once it accepts requests;
+    ``spec_stats``: per-request speculative-decoding stats (none, summary, detailed)."""
     name = model_name or llm.target.path
     if llm.device.type == "cpu":
         GOVERNOR.reserve(1)  # the event loop's core (infer/foundation/threads.py)
     metrics = ServeMetrics(name, llm.k if llm.spec else None)
-    served = ServedModel(llm, EngineLoop(llm, metrics).start(), name)
+    served = ServedModel(llm, EngineLoop(llm, metrics).start(), name, SpecStatsLevel(spec_stats))
     config = uvicorn.Config(build_app(served), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -4,7 +4,8 @@ Each event is ``data: {json}`` and a blank line; the stream ends with ``data: [D
 completion chunk carries ``choices[i].text``, a chat chunk ``choices[i].delta`` (the first one
 ``{"role": "assistant", "content": ""}``, then ``{"content": ...}``); the last chunk of a
 choice has its ``finish_reason`` and ``stop_reason``. With ``stream_options.include_usage`` a
-chunk with no choices and the usage counts comes before ``[DONE]``. Text deltas come from
+chunk with no choices and the usage counts (and the per-request speculative-decoding stats,
+when the server reports them) comes before ``[DONE]``. Text deltas come from
 :class:`~infer.detokenize.IncrementalText`, so they concatenate to the non-streaming text.
 An engine failure mid-stream is sent as an ``{"error": ...}`` event, as vLLM does.
 """
@@ -16,7 +17,7 @@ from typing import Any, AsyncIterator
 
 from infer.detokenize import IncrementalText
 from infer.serve.engine_loop import TokenUpdate
-from infer.serve.generation import Job, ServedModel, updates, usage
+from infer.serve.generation import Job, ServedModel, spec_metrics, updates, usage
 from infer.serve.protocol import ApiError
 
 
@@ -48,8 +49,8 @@ async def stream(job: Job, served: ServedModel, include_usage: bool) -> AsyncIte
         finish = {"finish_reason": update.finish_reason,
                   "stop_reason": update.stop_reason} if done else {"finish_reason": None}
         yield event(_chunk(job, index, {**body, "logprobs": None, **finish}))
-    if include_usage:
-        yield event(_envelope(job, [], usage=usage(job, finals)))
+    if include_usage:  # per-request stats ride on the final usage chunk, as in vLLM
+        yield event(_envelope(job, [], usage=usage(job, finals), **spec_metrics(job, served)))
     yield "data: [DONE]\n\n"
 
 
