@@ -269,7 +269,8 @@ class LLM:
             # host -> device copies above, before the proposer queues GPU work they would wait for
             temperature, top_k, top_p = self._sampling_tensors(reqs)
             generator = self._generator(reqs)
-            proposal = self._propose(reqs, temperature, top_k, top_p, generator)
+            k = self.spec.k_for_batch(len(reqs)) if self.spec else 0  # k by batch size
+            proposal = self._propose(reqs, k, temperature, top_k, top_p, generator)
             method = self.spec.rejection_sample_method if self.spec else "strict"
             if proposal.sibling_ids is not None and argmax_verify(temperature, method):
                 return self._tree_step(reqs, slots, pending, proposal)  # chain + sibling leaves
@@ -349,16 +350,16 @@ class LLM:
         self.metrics.merge(step)
         return emitted[:kept]
 
-    def _propose(self, reqs: list[Request], temperature, top_k, top_p,
+    def _propose(self, reqs: list[Request], k: int, temperature, top_k, top_p,
                  generator: Generator) -> Proposal:
-        """Drafts ``[B, w <= k]`` clipped per request to what max_tokens and the cache can take
-        (lookup proposers return only as many columns as their longest draft)."""
-        if self.proposer is None or self.k == 0:
+        """This step's ``k`` drafts ``[B, w <= k]`` clipped per request to what max_tokens and
+        the cache can take (lookup proposers return only as many columns as their longest)."""
+        if self.proposer is None or k == 0:
             return Proposal(torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
-        batch = DraftBatch([r.slot for r in reqs], [r.tokens for r in reqs], self.k,
+        batch = DraftBatch([r.slot for r in reqs], [r.tokens for r in reqs], k,
                            temperature=temperature, top_k=top_k, top_p=top_p,
                            generator=generator)
-        limits = torch.tensor([r.draft_limit(self.k, self.max_model_len) for r in reqs],
+        limits = torch.tensor([r.draft_limit(k, self.max_model_len) for r in reqs],
                               device=self.device)  # [B], copied before the drafts are queued
         with _measure(self.timers and self.timers.draft):
             proposal = self.proposer.propose(batch)

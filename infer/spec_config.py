@@ -28,6 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from infer.foundation.errors import ConfigError, MissingFileError
 from infer.foundation.files import read_json
 from infer.foundation.validation import check_float, check_int, config_error, reject_unknown_keys
+from infer.k_schedule import KEY as SCHEDULE_KEY
+from infer.k_schedule import Schedule, k_for_batch, parse_schedule
 
 _WHERE = "speculative_config"
 log = logging.getLogger(__name__)
@@ -159,6 +161,8 @@ class SpeculativeConfig:
     # draftsmith's own (SGLang's key; vLLM has none): a JSON file {"token_ids": [...]}; an eagle3
     # head drafting greedily computes logits over those of its draft tokens only (FR-Spec)
     speculative_token_map: str | None = None
+    # vLLM main (2026): [[start_bs, end_bs, k], ...], each step's k by its batch (k_schedule.py)
+    num_speculative_tokens_per_batch_size: Schedule | None = None
 
     def __post_init__(self) -> None:
         if self.method in MTP_ALIASES:
@@ -168,6 +172,7 @@ class SpeculativeConfig:
             check(key, getattr(self, key), _WHERE, **kwargs)
             if check is check_float and getattr(self, key) is not None:
                 self._set(key, float(getattr(self, key)))
+        self._set(SCHEDULE_KEY, parse_schedule(getattr(self, SCHEDULE_KEY), _WHERE))
         self._resolve_prompt_lookup()
         path = draft_config_path(self.model) if self.model is not None else None
         draft = read_draft_config(path) if path else {}
@@ -192,6 +197,11 @@ class SpeculativeConfig:
                                "1 or None (draftsmith's engine runs target and drafter on one "
                                "device; vLLM also accepts the target's tensor_parallel_size)",
                                _WHERE)
+
+    def k_for_batch(self, batch_size: int) -> int:
+        """This step's k for ``batch_size`` running requests (the schedule, else k)."""
+        return k_for_batch(self.num_speculative_tokens_per_batch_size, batch_size,
+                           self.num_speculative_tokens or 0)
 
     @property
     def tree_columns(self) -> int:

@@ -103,13 +103,39 @@ def advise(results: Sequence[Any]) -> tuple[list[dict], dict[str, int]]:
     recommended: dict[str, int] = {}
     for method in dict.fromkeys(r["method"] for r in records):
         mine = [r for r in records if r["method"] == method]
-        top = min(len(r["candidates"]) for r in mine)
-        if top == 0:
-            continue
-
-        def geo_mean(k: int) -> float:
-            vals = [max(r["candidates"][k - 1]["predicted_speedup"], 1e-12) for r in mine]
-            return math.exp(sum(math.log(v) for v in vals) / len(vals))
-
-        recommended[method] = max(range(1, top + 1), key=lambda k: (geo_mean(k), -k))
+        if min(len(r["candidates"]) for r in mine):
+            recommended[method] = _best_k(mine, smallest=1)
     return records, recommended
+
+
+def advise_schedule(records: Sequence[Mapping[str, Any]]) -> dict[str, list[list[int]]]:
+    """A ``num_speculative_tokens_per_batch_size`` per method from the advisor ``records``: at
+    each measured batch size the k with the best predicted speedup (the geometric mean over
+    the measured temperatures), 0 where none beats plain decoding (predicted 1 by definition);
+    each range runs up to the next measured batch size, the first starts at 1, the last
+    carries on (infer/k_schedule.py). Methods measured at one batch size get none."""
+    out: dict[str, list[list[int]]] = {}
+    for method in dict.fromkeys(r["method"] for r in records):
+        mine = [r for r in records if r["method"] == method and r["candidates"]]
+        batches = sorted({r["batch_size"] for r in mine})
+        if len(batches) < 2:
+            continue
+        ks = [_best_k([r for r in mine if r["batch_size"] == b]) for b in batches]
+        starts = [1] + batches[1:]
+        ends = [s - 1 for s in starts[1:]] + [batches[-1]]
+        out[method] = [[s, e, k] for s, e, k in zip(starts, ends, ks)]
+    return out
+
+
+def _best_k(records: Sequence[Mapping[str, Any]], smallest: int = 0) -> int:
+    """The k >= ``smallest`` (0 = no drafting, predicted 1) with the best geometric-mean
+    predicted speedup over ``records``; ties go to the smaller k."""
+    top = min(len(r["candidates"]) for r in records)
+
+    def geo_mean(k: int) -> float:
+        if k == 0:
+            return 1.0
+        vals = [max(r["candidates"][k - 1]["predicted_speedup"], 1e-12) for r in records]
+        return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+    return max(range(smallest, top + 1), key=lambda k: (geo_mean(k), -k))

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from infer.foundation.atomic import atomic_file, remove_leftovers, write_text
+from infer.eval.advisor import advise_schedule
 from infer.eval.machine import CONTENTION_CORES
 from infer.eval.results import DRIFT_WARN, ConfigResult, HarnessReport
 from infer.foundation.tracking import Logger
@@ -193,7 +194,12 @@ def _advisor_table(report: HarnessReport) -> list[str]:
                            ",".join(map(str, a["measured_ks"])), a["recommended_k"],
                            f"{a['predicted_speedup']:.2f}", curve]))
     rec = ", ".join(f"{m}: k={k}" for m, k in report.recommended_k.items()) or "none"
-    return lines + ["", f"Recommended k per method (all measured conditions): {rec}.", ""]
+    lines += ["", f"Recommended k per method (all measured conditions): {rec}.", ""]
+    for method, schedule in advise_schedule(report.advisor).items():
+        lines.append(f"- {method}, k by batch size (0: no drafting), to paste into its "
+                     f"speculative_config: `\"num_speculative_tokens_per_batch_size\": "
+                     f"{json.dumps(schedule)}`")
+    return lines + [""]
 
 
 # ---- plots ----------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def block_logits(self, batch: DraftBatch) -> Tensor:
         """Logits of the K mask rows over the draft vocabulary ``[B, K, Vd]``."""
-        device, k = self.ctx.device, self.k
+        device, k = self.ctx.device, min(batch.k, self.k)  # this step's k (k by batch size)
         for slot, toks in zip(batch.slots, batch.token_ids):
             if self.fed[slot] != len(toks) - 1:
                 raise RuntimeError(f"slot {slot}: {self.fed[slot]} context positions held for "

@@ -272,3 +272,18 @@ def test_sibling_tree_runs_to_max_model_len(target4, heads):
     outs = LLM(target4, speculative_config=spec, max_model_len=24).generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert max(len(p) + len(o.token_ids) for p, o in zip(PROMPTS, outs)) == 24
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_k_by_batch_size_keeps_greedy_output(target4, heads, method):
+    """Steps at 4-3 running requests draft nothing (k 0), at 2 one token, alone three: the head
+    catches up on the verified tokens of its idle steps, and output stays the plain one."""
+    spec = {"method": method, "model": heads[method], "num_speculative_tokens": 3,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 2, 1], [3, 4, 0]]}
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (5, 9, 13, 20)]
+    llm = LLM(target4, speculative_config=spec, dtype="float32", max_num_seqs=4)
+    plain = LLM(target4, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == \
+        [o.token_ids for o in plain]
+    m = llm.get_metrics()
+    assert m["num_drafts"] > 0 and len(m["num_accepted_tokens_per_pos"]) == 3

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.eval.advisor import advise, advise_k, draft_cost_at, verify_cost_at
+from infer.eval.advisor import advise, advise_k, advise_schedule, draft_cost_at, verify_cost_at
 from infer.engine import LLM
 from infer.eval.harness import (ConfigResult, HarnessConfig, HarnessReport, expand_matrix,
                            load_prompts, prompt_from_record, run_harness)
@@ -21,6 +21,7 @@ from infer.eval.report import PLOTS
 from infer.proposers import base
 from infer.proposers.base import Proposal, Proposer, pad_drafts
 from infer.sampling import SamplingParams
+from infer.spec_config import SpeculativeConfig
 from infer.foundation.tracking import NoopLogger
 
 VOCAB = 96  # tests/infer/conftest.py save_tiny_llama
@@ -233,6 +234,22 @@ def test_advise_groups_and_recommends_per_method():
     assert recommended == {"m": 3}
 
 
+def test_the_advisor_writes_a_k_by_batch_size_schedule_that_the_schema_takes():
+    """Per measured batch size its best k, 0 where drafting is predicted to lose; ranges up to
+    the next measured batch size, the first from 1; a method at one batch size gets none."""
+    rates = [0.9, 0.7, 0.5, 0.2, 0.1]
+    rows = [_row("m", 5, 1, rates, 0.5, 1.2),  # k=3 best
+            _row("m", 5, 4, rates, 0.5, 0.2),  # k=2 best
+            _row("m", 5, 16, [0.1, 0.05, 0, 0, 0], 1.0, 2.0),  # every k predicted < 1
+            _row("alone", 5, 1, rates, 0.5, 1.2)]
+    records, _ = advise(rows)
+    schedule = advise_schedule(records)
+    assert schedule == {"m": [[1, 3, 3], [4, 15, 2], [16, 16, 0]]}
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5,
+                                    "num_speculative_tokens_per_batch_size": schedule["m"]})
+    assert [spec.k_for_batch(b) for b in (1, 3, 4, 15, 16, 64)] == [3, 3, 2, 2, 0, 0]
+
+
 # ---- the matrix ----------------------------------------------------------------------------
 
 def test_expand_matrix_labels_and_errors():
@@ -399,6 +416,7 @@ def test_batch_runs_take_requests_per_slot(tiny_target, caplog):
     assert "batch 2" not in caplog.text
     assert report.settings["num_prompts"] == 1 and report.settings["requests_per_slot"] == 2
     assert "2 prompts at batch 1, 4 at batch 2, 6 at batch 4" in render_markdown(report)
+    assert '"num_speculative_tokens_per_batch_size": [[1, 1, ' in render_markdown(report)
     whole = run_harness(tiny_target, expand_matrix([{"method": "ngram"}], [2], batch_sizes=[2]),
                         PROMPTS, HarnessOptions(max_tokens=4, warmup=False, device="cpu"))
     # defaults: every prompt at every batch size

@@ -127,3 +127,23 @@ def test_output_distribution_matches_target(sampling_models, method):
     assert chi2_pvalue(joint, p_joint) > 1e-3 and chi2_pvalue(third, p_third) > 1e-3
     assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"], metrics
     assert np.asarray(joint).sum() == N and len(PROMPT) == 5
+
+
+def test_k_by_batch_size_drafts_a_shorter_block(target4, heads):
+    """The block drafts this step's k (k by batch size), not the configured most: 4 alone, 1
+    beside another request, none at 3-4; greedy output stays the plain one."""
+    spec = {"model": heads["full"], "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 2, 1], [3, 4, 0]]}
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (5, 9, 13, 20)]
+    llm = LLM(target4, speculative_config=spec, max_num_seqs=4)
+    widths, propose = [], llm.proposer.propose
+
+    def spy(batch):
+        proposal = propose(batch)
+        widths.append((len(batch.slots), proposal.draft_ids.shape[1]))
+        return proposal
+
+    llm.proposer.propose = spy
+    base = LLM(target4, max_num_seqs=4).generate(PROMPTS, params)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [b.token_ids for b in base]
+    assert set(widths) == {(1, 4), (2, 1)}
