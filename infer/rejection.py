@@ -21,6 +21,15 @@ Methods (``p`` = target distribution after temperature / top-k / top-p, ``q`` = 
 - ``probabilistic`` (Leviathan et al. 2022, Chen et al. 2023): accept ``x`` with probability
   ``min(1, p(x) / q(x))``; recover from ``normalize(max(p - q, 0))`` (``p`` if that is all zero).
   Lossless. ``draft_probs=None`` means ``q`` one-hot at the draft (n-gram style proposers).
+- ``block`` (block verification, Sun et al. 2024): the drafts are judged as a block, not one by
+  one. With ``p_0 = 1`` and ``p_i = min(1, p_{i-1} p(x_i) / q(x_i))``, position ``i < n`` may
+  end the block with probability ``h_i = Z_{i+1} / (Z_{i+1} + 1 - p_i)``, where ``Z_{i+1} =
+  sum_v max(p_i p_i(v) - q_{i+1}(v), 0)`` (``p_i(v)``: the target's distribution after ``i``
+  drafts), and ``h_n = p_n``; one uniform per position, and the block keeps the drafts up to the
+  last position ``tau`` whose uniform is ``<= h_tau`` (0 if none). Then ``tau < n``: the next
+  token from ``normalize(max(p_tau p_tau(.) - q_{tau+1}(.), 0))``; ``tau = n``: the bonus token
+  from ``p_n``. Lossless (the paper's Theorem 1) and accepts at least as much as the token-by-
+  token test in expectation (Theorem 2). ``draft_probs=None``: ``q`` one-hot at the draft.
 - ``synthetic``: accept each position with a fixed conditional probability ``a_n`` chosen so that
   the expected ``accepted / drafted`` equals ``synthetic_acceptance_rate`` for a row with ``n``
   drafts; recovered / bonus tokens come from ``p``. For benchmarking; not lossless.
@@ -87,13 +96,13 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     # drafted tokens are the non-negative prefix (robust even if a -1 were not a suffix)
     num_drafts = (draft_ids >= 0).long().cumprod(dim=1).sum(dim=1)  # [batch]
     q = None
-    if method == "probabilistic" and draft_probs is not None:
+    if method in ("probabilistic", "block") and draft_probs is not None:
         q = draft_probs.float().contiguous()  # [batch, k, vocab]
     accept_prob = None
     if method == "synthetic":
         accept_prob = synthetic_accept_probs(num_drafts, synthetic_acceptance_rate, k)  # [batch]
     uniforms = uniforms[:, :k].contiguous()  # [batch, k]
-    core = _pick_core(impl, probs)
+    core = _pick_core(impl, probs, block=method == "block")
     return core(probs, draft_ids, num_drafts, uniforms, noise, q, accept_prob)
 
 
@@ -193,6 +202,56 @@ def rejection_core_reference(probs: torch.Tensor, draft_ids: torch.Tensor,
     return _assemble(draft_ids, num_accepted, final)
 
 
+def block_core_reference(probs: torch.Tensor, draft_ids: torch.Tensor,
+                         num_drafts: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor,
+                         draft_probs: Optional[torch.Tensor] = None,
+                         accept_prob: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Block verification (module doc), PyTorch reference of the Triton kernel: same tensors as
+    :func:`rejection_core_reference` (``accept_prob`` unused)."""
+    k = draft_ids.shape[1]
+    ids = draft_ids.clamp_min(0)  # [batch, k]
+    p_x = probs[:, :k].gather(-1, ids[..., None]).squeeze(-1)  # [batch, k]: p_{i-1}(x_i)
+    q_x = (torch.ones_like(p_x) if draft_probs is None
+           else draft_probs.gather(-1, ids[..., None]).squeeze(-1))  # [batch, k]
+    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), torch.zeros_like(p_x))
+    block = [torch.ones_like(p_x[:, 0])]  # p_0 = 1
+    for i in range(k):  # p_i = min(1, p_{i-1} * p(x_i) / q(x_i)); k is small
+        block.append(torch.minimum(block[-1] * ratio[:, i], torch.ones_like(block[-1])))
+    p_blk = torch.stack(block, dim=1)  # [batch, k + 1]
+    if draft_probs is None:  # sum_v max(p_i p_i(v) - onehot(x_{i+1})(v), 0)
+        z = p_blk[:, :k] * (1 - p_x)  # [batch, k]: Z_{i+1}, i = 0..k-1
+    else:
+        z = (p_blk[:, :k, None] * probs[:, :k] - draft_probs).clamp_min(0).sum(-1)
+    denom = z + 1 - p_blk[:, :k]
+    h = torch.where(denom > 0, z / denom.clamp_min(1e-30), torch.zeros_like(z))  # [batch, k]
+    i = torch.arange(1, k + 1, device=probs.device)  # block positions 1..k
+    n = num_drafts[:, None]  # [batch, 1]
+    h_at = torch.where(i < n, F.pad(h[:, 1:], (0, 1)), p_blk[:, 1:])  # h_i, h_n = p_n
+    ends = (uniforms <= h_at) & (i <= n)  # [batch, k]
+    tau = (ends * i).amax(dim=1)  # [batch]: the last position that may end the block, or 0
+    final = (_block_residual(probs, draft_ids, draft_probs, p_blk, tau, num_drafts)
+             / noise).argmax(dim=-1)  # [batch]
+    return _assemble(draft_ids, tau, final)
+
+
+def _block_residual(probs: torch.Tensor, draft_ids: torch.Tensor,
+                    draft_probs: Optional[torch.Tensor], p_blk: torch.Tensor, tau: torch.Tensor,
+                    num_drafts: torch.Tensor) -> torch.Tensor:
+    """``[batch, vocab]``: where the block ends early, ``max(p_tau p_tau(.) - q_{tau+1}(.), 0)``
+    (``p_tau(.)`` itself if that is all zero); after every draft, the target's ``p_n(.)``."""
+    k = draft_ids.shape[1]
+    p_fin = _take_position(probs, tau)  # [batch, vocab]
+    pos = tau.clamp(max=k - 1)  # [batch]; rows that kept every draft are masked out below
+    scale = p_blk.gather(1, tau[:, None])  # [batch, 1]: p_tau
+    if draft_probs is None:
+        x = draft_ids.gather(1, pos[:, None]).clamp_min(0)  # [batch, 1]
+        residual = (scale * p_fin).scatter(-1, x, 0.0)  # max(p_tau p - onehot(x), 0)
+    else:
+        residual = (scale * p_fin - _take_position(draft_probs, pos)).clamp_min(0.0)
+    early = (tau < num_drafts)[:, None]
+    return torch.where(early & (residual.amax(dim=-1, keepdim=True) > 0), residual, p_fin)
+
+
 def _accept_mask(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
                  uniforms: torch.Tensor, draft_probs: Optional[torch.Tensor],
                  accept_prob: Optional[torch.Tensor]) -> torch.Tensor:
@@ -252,25 +311,26 @@ def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor,
     return torch.where(slots == n, final[:, None], out)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_core() -> Optional[Core]:
+@functools.lru_cache(maxsize=2)
+def _triton_core(block: bool = False) -> Optional[Core]:
     """The Triton implementation, or None where triton is absent (macOS, CPU-only installs)."""
     try:
-        from infer.rejection_triton import rejection_core_triton
+        from infer.rejection_triton import block_core_triton, rejection_core_triton
     except ImportError:
         return None
-    return rejection_core_triton
+    return block_core_triton if block else rejection_core_triton
 
 
-def _pick_core(impl: str, probs: torch.Tensor) -> Core:
+def _pick_core(impl: str, probs: torch.Tensor, block: bool = False) -> Core:
+    reference = block_core_reference if block else rejection_core_reference
     if impl == "torch":
-        return rejection_core_reference
-    core = _triton_core()
+        return reference
+    core = _triton_core(block)
     if impl == "triton":
         if core is None:
             raise config_error("impl", impl, "'auto' or 'torch' (triton is not importable)", _WHERE)
         return core
-    return core if core is not None and probs.is_cuda else rejection_core_reference
+    return core if core is not None and probs.is_cuda else reference
 
 
 def _describe(t: object) -> object:

@@ -1,4 +1,5 @@
-"""Triton kernel for the rejection sampler; ``rejection_core_reference`` is its specification.
+"""Triton kernels for the rejection sampler; ``rejection_core_reference`` and
+``block_core_reference`` are their specifications.
 
 One program per request row does the whole deterministic part:
 
@@ -14,6 +15,12 @@ One program per request row does the whole deterministic part:
 Every float operation mirrors the reference one for one (IEEE ``div_rn`` for the race, the same
 comparisons, first-index tie-breaks), which is why the two agree token for token given the same
 random tensors. This module imports triton at the top; ``infer.rejection`` imports it lazily.
+
+Block verification (``_block_kernel``) walks the row's block positions in order, keeping
+``p_i`` and the last position that may end the block; each position below the row's draft count
+streams the next position's vocabulary once for ``Z_{i+1}`` (a sum: its chunked order differs
+from torch's, so the two can disagree where a uniform lies within float rounding of ``h_i``),
+then the final token streams position ``tau`` as above.
 """
 
 from __future__ import annotations
@@ -135,5 +142,121 @@ def rejection_core_triton(probs: torch.Tensor, draft_ids: torch.Tensor,
     with on_device:
         _rejection_kernel[(batch,)](
             *args, out, k1 - 1, vocab, METHOD=method, BLOCK_K=triton.next_power_of_2(k1),
+            BLOCK_V=min(MAX_BLOCK_V, triton.next_power_of_2(vocab)))
+    return out
+
+
+@triton.jit
+def _block_z(probs_ptr, q_ptr, row, i, p_i, x_next, K, VOCAB, ONE_HOT: tl.constexpr,
+             BLOCK_V: tl.constexpr):
+    """Z_{i+1} = sum_v max(p_i * p_i(v) - q_{i+1}(v), 0) over position i's vocabulary."""
+    base = (row * (K + 1) + i) * VOCAB
+    if ONE_HOT:  # q one-hot at the next draft: p_i * (1 - p_i(x_{i+1}))
+        return p_i * (1.0 - tl.load(probs_ptr + base + x_next))
+    z = tl.full([], 0.0, tl.float32)
+    for start in range(0, VOCAB, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        inb = cols < VOCAB
+        p = tl.load(probs_ptr + base + cols, mask=inb, other=0.0)
+        q = tl.load(q_ptr + (row * K + i) * VOCAB + cols, mask=inb, other=0.0)
+        z += tl.sum(tl.maximum(p_i * p - q, 0.0), axis=0)
+    return z
+
+
+@triton.jit
+def _block_tau(probs_ptr, draft_ptr, uniform_ptr, q_ptr, row, n_drafts, K, VOCAB,
+               ONE_HOT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(tau, p_tau): the last block position whose uniform is <= h_i, and its p_i."""
+    p_blk = tl.full([], 1.0, tl.float32)
+    tau = tl.full([], 0, tl.int64)
+    p_tau = tl.full([], 1.0, tl.float32)
+    for i in range(1, K + 1):
+        active = i <= n_drafts
+        x = tl.maximum(tl.load(draft_ptr + row * K + i - 1), 0)
+        p_x = tl.load(probs_ptr + (row * (K + 1) + i - 1) * VOCAB + x)
+        if ONE_HOT:
+            ratio = p_x
+        else:
+            q_x = tl.load(q_ptr + (row * K + i - 1) * VOCAB + x)
+            ratio = tl.where(q_x > 0, tl.math.div_rn(p_x, tl.maximum(q_x, 1e-30)), 0.0)
+        p_blk = tl.where(active, tl.minimum(p_blk * ratio, 1.0), p_blk)
+        more = i < n_drafts
+        x_next = tl.maximum(tl.load(draft_ptr + row * K + tl.minimum(i, K - 1)), 0)
+        z = _block_z(probs_ptr, q_ptr, row, tl.minimum(i, K - 1), p_blk, x_next, K, VOCAB,
+                     ONE_HOT, BLOCK_V)
+        denom = z + 1.0 - p_blk
+        h = tl.where(denom > 0, tl.math.div_rn(z, tl.maximum(denom, 1e-30)), 0.0)
+        h = tl.where(more, h, p_blk)
+        take = active & (tl.load(uniform_ptr + row * K + i - 1) <= h)
+        tau = tl.where(take, i, tau)
+        p_tau = tl.where(take, p_blk, p_tau)
+    return tau, p_tau
+
+
+@triton.jit
+def _block_final(probs_ptr, draft_ptr, noise_ptr, q_ptr, row, tau, p_tau, n_drafts, K, VOCAB,
+                 ONE_HOT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The token after the kept drafts: from the block's residual at ``tau`` when it ended
+    early (the target's own distribution if that residual is all zero), else the bonus."""
+    early = tau < n_drafts
+    pos = tl.minimum(tau, K - 1)
+    x_rej = tl.load(draft_ptr + row * K + pos, mask=early, other=-1)
+    p_base = (row * (K + 1) + tau) * VOCAB
+    best_p = tl.full([], float("-inf"), tl.float32)
+    idx_p = tl.full([], 0, tl.int32)
+    best_r = tl.full([], float("-inf"), tl.float32)
+    idx_r = tl.full([], 0, tl.int32)
+    r_max = tl.full([], 0.0, tl.float32)
+    for start in range(0, VOCAB, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        inb = cols < VOCAB
+        p = tl.load(probs_ptr + p_base + cols, mask=inb, other=0.0)
+        e = tl.load(noise_ptr + row * VOCAB + cols, mask=inb, other=1.0)
+        best_p, idx_p = _race_update(tl.where(inb, tl.math.div_rn(p, e), float("-inf")), start,
+                                     best_p, idx_p)
+        if ONE_HOT:
+            r = tl.where(cols == x_rej, 0.0, p_tau * p)
+        else:
+            q_mask = inb & ((cols * 0 + tau) < n_drafts)
+            q = tl.load(q_ptr + (row * K + pos) * VOCAB + cols, mask=q_mask, other=0.0)
+            r = tl.maximum(p_tau * p - q, 0.0)
+        r_max = tl.maximum(r_max, tl.max(r, axis=0))
+        best_r, idx_r = _race_update(tl.where(inb, tl.math.div_rn(r, e), float("-inf")), start,
+                                     best_r, idx_r)
+    return tl.where(early & (r_max > 0.0), idx_r, idx_p)
+
+
+@triton.jit
+def _block_kernel(probs_ptr, draft_ptr, num_drafts_ptr, uniform_ptr, noise_ptr, q_ptr, out_ptr,
+                  K, VOCAB, ONE_HOT: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n_drafts = tl.load(num_drafts_ptr + row)
+    tau, p_tau = _block_tau(probs_ptr, draft_ptr, uniform_ptr, q_ptr, row, n_drafts, K, VOCAB,
+                            ONE_HOT, BLOCK_V)
+    final = _block_final(probs_ptr, draft_ptr, noise_ptr, q_ptr, row, tau, p_tau, n_drafts, K,
+                         VOCAB, ONE_HOT, BLOCK_V)
+    slots = tl.arange(0, BLOCK_K)
+    drafts = tl.load(draft_ptr + row * K + slots, mask=slots < tau, other=-1)
+    out = tl.where(slots == tau, final.to(tl.int64), drafts)
+    tl.store(out_ptr + row * (K + 1) + slots, out, mask=slots < K + 1)
+
+
+def block_core_triton(probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                      uniforms: torch.Tensor, noise: torch.Tensor,
+                      draft_probs: Optional[torch.Tensor] = None,
+                      accept_prob: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Same contract as ``infer.rejection.block_core_reference``; returns ``[batch, k + 1]``."""
+    batch, k1, vocab = probs.shape
+    out = torch.empty(batch, k1, dtype=torch.long, device=probs.device)  # [batch, k + 1]
+    if batch == 0:
+        return out
+    q = draft_probs if draft_probs is not None else probs  # never read when one-hot
+    args = [t.contiguous() for t in (probs, draft_ids, num_drafts, uniforms, noise, q)]
+    on_device = torch.cuda.device(probs.device) if probs.is_cuda else contextlib.nullcontext()
+    with on_device:
+        _block_kernel[(batch,)](
+            *args, out, k1 - 1, vocab, ONE_HOT=draft_probs is None,
+            BLOCK_K=triton.next_power_of_2(k1),
             BLOCK_V=min(MAX_BLOCK_V, triton.next_power_of_2(vocab)))
     return out

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # vLLM's method names. The schema accepts all of them; the engine decides which it serves.
 METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3", "dflash",
            "mlp_speculator", "mtp", "medusa")
-REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "synthetic")  # what the sampler runs
+REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "block", "synthetic")  # sampler's
 # vLLM's newer spelling: the rejection test "standard" and how drafts are made; "standard" with
 # greedy drafts is "strict" (accept with p(x)), with sampled drafts "probabilistic" (the p/q test)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -331,13 +331,13 @@ class SpeculativeConfig:
                                "rejection_sample_method 'strict' (it accepts a draft with "
                                "probability p(x) and never reads the draft distribution); use "
                                "'probabilistic' or 'standard' for sampled drafts", _WHERE)
-        if rejection == "synthetic":
+        if rejection in ("synthetic", "block"):  # block: q from sampled drafts, else one-hot
             drafts = drafts or "greedy"
         elif rejection in ("standard", "probabilistic") and drafts is None:
             drafts = "greedy" if rejection == "standard" else "probabilistic"
         elif drafts is None:
             drafts = "greedy"
-        if rejection != "synthetic":
+        if rejection not in ("synthetic", "block"):
             rejection = "probabilistic" if drafts == "probabilistic" else "strict"
         self._set("rejection_sample_method", rejection)
         self._set("draft_sample_method", drafts)

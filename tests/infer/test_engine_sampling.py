@@ -91,6 +91,10 @@ SPECS = {
                            "rejection_sample_method": "probabilistic"},
     "ngram_probabilistic": {"method": "ngram", "rejection_sample_method": "probabilistic",
                             "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+    # block verification: sampled drafts with their probabilities, and greedy ones (one-hot q)
+    "draft_block_sampled": {"method": "draft_model", "rejection_sample_method": "block",
+                            "draft_sample_method": "probabilistic"},
+    "draft_block_greedy": {"method": "draft_model", "rejection_sample_method": "block"},
 }
 
 
@@ -113,7 +117,7 @@ def test_output_distribution_matches_target(models, name):
         assert chi2_pvalue(joint, wrong) < 1e-6
 
 
-@pytest.mark.parametrize("method", ["probabilistic", "strict"])
+@pytest.mark.parametrize("method", ["probabilistic", "strict", "block"])
 def test_filtered_distribution_matches_target(models, method):
     """temperature / top-k / top-p shape the target law p (and the draft's q) the same way."""
     target, draft, _ = models

@@ -45,6 +45,8 @@ def _both(logits, drafts, q=None, seed=0, **kwargs) -> tuple[torch.Tensor, torch
     ("probabilistic", False, None),
     ("synthetic", False, 0.5),
     ("synthetic", False, 1.0),
+    ("block", True, None),
+    ("block", False, None),
 ])
 def test_kernel_matches_reference(method, with_q, rate):
     logits, drafts, q = _case()
@@ -54,12 +56,12 @@ def test_kernel_matches_reference(method, with_q, rate):
         assert torch.equal(ref, tri), (seed, ref, tri)
 
 
-@pytest.mark.parametrize("method", ["strict", "probabilistic"])
+@pytest.mark.parametrize("method", ["strict", "probabilistic", "block"])
 def test_kernel_matches_reference_greedy_and_mixed_rows(method):
     logits, drafts, q = _case(seed=1)
     temperature = torch.tensor([0.0, 1.0, 0.0, 0.5, 0.0, 2.0, 0.0, 1.0], device=DEVICE)
     for temp in (0.0, temperature):
-        ref, tri = _both(logits, drafts, q if method == "probabilistic" else None,
+        ref, tri = _both(logits, drafts, q if method != "strict" else None,
                          temperature=temp, method=method)
         assert torch.equal(ref, tri)
 
@@ -76,9 +78,9 @@ def test_kernel_matches_reference_across_vocab_chunks(monkeypatch):
     """Several BLOCK_V chunks: the running argmax must keep the reference's choice."""
     monkeypatch.setattr(rejection_triton, "MAX_BLOCK_V", 16)
     logits, drafts, q = _case(batch=6, k=2, vocab=53, seed=3)
-    for method, dq in [("strict", None), ("probabilistic", q)]:
+    for method, dq in [("strict", None), ("probabilistic", q), ("block", q), ("block", None)]:
         ref, tri = _both(logits, drafts, dq, temperature=1.0, method=method)
-        assert torch.equal(ref, tri)
+        assert torch.equal(ref, tri), method
 
 
 def test_kernel_matches_reference_on_residual_fallback():

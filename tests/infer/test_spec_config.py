@@ -115,7 +115,7 @@ BAD = [
     ({"method": "ngram", "num_speculative_tokens": 3, "parallel_drafting": "yes"},
      ["'parallel_drafting'", "'yes'", "true or false"]),
     ({"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "exact"},
-     ["'rejection_sample_method'", "'exact'", "strict, probabilistic, synthetic, standard"]),
+     ["'rejection_sample_method'", "'exact'", "strict, probabilistic, block, synthetic, standard"]),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_sample_method": "stochastic"},
      ["'draft_sample_method'", "'stochastic'", "greedy, probabilistic"]),
     ({"method": "eagle", "model": "h", "num_speculative_tokens": 3,
@@ -185,7 +185,7 @@ def test_num_speculative_tokens_error_text(k):
 def test_method_tables():
     assert METHODS == ("ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3",
                        "dflash", "mlp_speculator", "mtp", "medusa")
-    assert REJECTION_SAMPLE_METHODS == ("strict", "probabilistic", "synthetic")
+    assert REJECTION_SAMPLE_METHODS == ("strict", "probabilistic", "block", "synthetic")
 
 
 # ---- method and k from the draft's config.json ----------------------------------------------
