@@ -30,12 +30,12 @@ from infer.kv_cache import KVCache, cache_rows
 from infer.metrics import SpecMetrics
 from infer.models.groups import ForwardGroup
 from infer.models.output import FeatureSpec, ModelOutput, pad_outputs
-from infer.proposers.base import (proposer_class, DraftBatch, Proposal, Proposer, ProposerContext,
+from infer.proposers.base import (proposer_class, Proposal, Proposer, ProposerContext,
                                   VerifiedStep)
-from infer.rejection import argmax_verify, greedy_verify, rejection_sample
 from infer.request import Request, RequestOutput, make_requests, prefill_groups, request_output
-from infer.sampling import BatchGenerator, Generator, SamplingParams
+from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
+from infer.step import StepPlan, plan_step
 from infer.target import Target
 from infer.foundation.threads import GOVERNOR
 from infer.timing import EngineTimers, Timer
@@ -267,19 +267,15 @@ class LLM:
             slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
             pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
             # host -> device copies above, before the proposer queues GPU work they would wait for
-            temperature, top_k, top_p = self._sampling_tensors(reqs)
-            generator = self._generator(reqs)
-            k = self.spec.k_for_batch(len(reqs)) if self.spec else 0  # k by batch size
-            proposal = self._propose(reqs, k, temperature, top_k, top_p, generator)
-            method = self.spec.rejection_sample_method if self.spec else "strict"
-            if proposal.sibling_ids is not None and argmax_verify(temperature, method):
+            plan = plan_step(reqs, self.spec, self.generator, self.device)
+            proposal = self._propose(reqs, plan)
+            if proposal.sibling_ids is not None and plan.argmax:
                 return self._tree_step(reqs, slots, pending, proposal)  # chain + sibling leaves
             num_drafted = (proposal.draft_ids >= 0).sum(dim=1)  # [B]
             inputs = torch.cat([pending[:, None], proposal.draft_ids.clamp_min(0)],
                                dim=1)  # [B, k + 1]
             out, prompts = self._verify(inputs, reqs, slots, 1 + num_drafted, new)
-            tokens = self._sample(out, reqs, proposal, method, temperature, top_k, top_p,
-                                  generator)
+            tokens = plan.verify(self._suppress_early_eos(out.logits, reqs), proposal)
             rows, drafted = tokens.tolist(), num_drafted.tolist()  # the step's one host sync
             accepted = [sum(t >= 0 for t in row) - 1 for row in rows]
             new_lens = [len(r.tokens) + a for r, a in zip(reqs, accepted)]  # pending + accepted
@@ -309,19 +305,6 @@ class LLM:
         self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted.tolist(), new_tokens,
                                            along_path(out, path)))
 
-    def _sample(self, out: ModelOutput, reqs: list[Request], proposal: Proposal, method: str,
-                temperature, top_k, top_p, generator: Generator) -> torch.Tensor:
-        """The rejection sampler over the step's logits: ``[B, k + 1]`` emitted tokens, -1
-        padded (all-greedy batches take the argmax path, which returns the same)."""
-        logits = self._suppress_early_eos(out.logits, reqs)  # [B, k + 1, vocab]
-        if argmax_verify(temperature, method):
-            return greedy_verify(logits, proposal.draft_ids)
-        return rejection_sample(
-            logits, proposal.draft_ids, proposal.draft_probs, temperature=temperature,
-            method=method, top_k=top_k, top_p=top_p, generator=generator,
-            synthetic_acceptance_rate=(self.spec.synthetic_acceptance_rate
-                                       if method == "synthetic" else None), draw_k=self.k)
-
     def _verify(self, inputs: torch.Tensor, reqs: list[Request], slots: torch.Tensor,
                 num_tokens: torch.Tensor, new: list[Request]
                 ) -> tuple[ModelOutput, list[ModelOutput]]:
@@ -350,16 +333,13 @@ class LLM:
         self.metrics.merge(step)
         return emitted[:kept]
 
-    def _propose(self, reqs: list[Request], k: int, temperature, top_k, top_p,
-                 generator: Generator) -> Proposal:
-        """This step's ``k`` drafts ``[B, w <= k]`` clipped per request to what max_tokens and
-        the cache can take (lookup proposers return only as many columns as their longest)."""
-        if self.proposer is None or k == 0:
+    def _propose(self, reqs: list[Request], plan: StepPlan) -> Proposal:
+        """The plan's k drafts ``[B, w <= k]`` clipped per request to what max_tokens and the
+        cache can take (lookup proposers return only as many columns as their longest)."""
+        if self.proposer is None or plan.k == 0:
             return Proposal(torch.empty(len(reqs), 0, dtype=torch.long, device=self.device))
-        batch = DraftBatch([r.slot for r in reqs], [r.tokens for r in reqs], k,
-                           temperature=temperature, top_k=top_k, top_p=top_p,
-                           generator=generator)
-        limits = torch.tensor([r.draft_limit(k, self.max_model_len) for r in reqs],
+        batch = plan.draft_batch(reqs)
+        limits = torch.tensor([r.draft_limit(plan.k, self.max_model_len) for r in reqs],
                               device=self.device)  # [B], copied before the drafts are queued
         with _measure(self.timers and self.timers.draft):
             proposal = self.proposer.propose(batch)
@@ -424,10 +404,10 @@ class LLM:
     def _start(self, reqs: list[Request], out: ModelOutput) -> None:
         """Prefilled requests (``out``: logits ``[B, 1, vocab]``, states right-padded) sample
         their first tokens and join the running batch."""
-        temperature, top_k, top_p = self._sampling_tensors(reqs)
+        plan = plan_step(reqs, self.spec, self.generator, self.device, drafting=False)
         empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
-        first = self._sample(out, reqs, Proposal(empty), "strict", temperature, top_k, top_p,
-                             self._generator(reqs))[:, 0].tolist()  # no drafts: p itself
+        first = plan.verify(self._suppress_early_eos(out.logits, reqs), Proposal(empty))
+        first = first[:, 0].tolist()  # no drafts: sampled from p itself
         for req, tok in zip(reqs, first):
             req.append([tok], self.eos_ids, self.max_model_len)
             if self.proposer is not None:
@@ -465,23 +445,6 @@ class LLM:
                 self.proposer.finish(req.slot)
         self._running = [r for r in self._running if not r.finished]
         return len(done)
-
-    def _generator(self, reqs: list[Request]) -> Generator:
-        """The engine's generator, or a :class:`BatchGenerator` when some request is seeded."""
-        if all(r.generator is None for r in reqs):
-            return self.generator
-        return BatchGenerator(self.generator, [r.generator for r in reqs])
-
-    def _sampling_tensors(self, reqs: list[Request]):
-        """Per-row temperature / top-k / top-p; scalars (and None filters) when uniform."""
-        temps = [float(r.params.temperature) for r in reqs]
-        temperature = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=self.device)
-        top_k = top_p = None
-        if any(r.params.top_k > 0 for r in reqs):
-            top_k = torch.tensor([r.params.top_k for r in reqs], device=self.device)
-        if any(r.params.top_p < 1.0 for r in reqs):
-            top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=self.device)
-        return temperature, top_k, top_p
 
     def _make_proposer(self) -> Proposer | None:
         if self.spec is None:

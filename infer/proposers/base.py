@@ -57,7 +57,7 @@ class DraftBatch:
     token_ids: list[list[int]]  # prompt + generated so far (the last one not yet in the KV cache)
     k: int  # drafts wanted per request
     # the requests' sampling settings, for proposers that sample or return draft_probs: a
-    # scalar when every row shares it (the engine's _sampling_tensors), else [batch]
+    # scalar when every row shares it (infer/step.py plan_step), else [batch]
     temperature: torch.Tensor | float | None = None
     top_k: torch.Tensor | None = None  # [batch]
     top_p: torch.Tensor | None = None  # [batch]
