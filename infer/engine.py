@@ -15,7 +15,6 @@ prefill chunks and decodes), or, when nothing runs, go in one forward of their o
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
 from typing import Any, ContextManager, Sequence
 
@@ -69,9 +68,8 @@ class LLM:
         else:
             self.target = Target.load(model, dtype=dtype, device=device,
                                       max_model_len=max_model_len, tokenizer=tokenizer)
-        if self.spec is not None and self.spec.method == "mtp" and self.spec.model is None:
-            # vLLM: the draft of mtp is the target itself (its MTP layers)
-            self.spec = dataclasses.replace(self.spec, model=self.target.path)
+        if self.spec is not None:  # resolved against the target once, here
+            self.spec = self.spec.for_target(self.target.path, self.target.max_model_len)
         self.max_num_seqs, self.seed = max_num_seqs, seed
         self.num_threads = num_threads
         if self.device.type == "cpu":
@@ -449,7 +447,6 @@ class LLM:
     def _make_proposer(self) -> Proposer | None:
         if self.spec is None:
             return None
-        self.spec.check_against_target(self.max_model_len)
         cfg = self.target.model.config
         ctx = ProposerContext(self.target.model, cfg, self.device, self.target.dtype,
                               self.max_num_seqs, self.max_model_len, cfg.vocab_size,

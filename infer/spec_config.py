@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -140,7 +141,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft checkpoint: local directory or hub id
     num_speculative_tokens: int | None = None  # k; defaulted from the draft's config.json
     draft_tensor_parallel_size: int | None = None  # 1 only: draftsmith's engine is TP=1
-    max_model_len: int | None = None  # draft context; <= target's (`check_against_target`)
+    max_model_len: int | None = None  # draft context; <= target's (`for_target`)
     revision: str | None = None  # draft checkpoint revision on the hub
     parallel_drafting: bool = False  # PARD = draft_model + parallel_drafting
     rejection_sample_method: str = "standard"  # resolved: strict / probabilistic / synthetic
@@ -396,15 +397,16 @@ class SpeculativeConfig:
     def to_json(self, full: bool = False) -> str:
         return json.dumps(self.to_dict(full=full))
 
-    def check_against_target(self, target_max_model_len: int) -> int:
-        """The draft's context length, once the engine knows the target's (the draft's must
-        not exceed it; unset means the target's)."""
-        if self.max_model_len is None:
-            return target_max_model_len
-        if self.max_model_len > target_max_model_len:
+    def for_target(self, target_path: str, target_max_model_len: int) -> SpeculativeConfig:
+        """This config resolved against the loaded target, once, before an engine uses it: the
+        draft of ``mtp`` is the target itself (vLLM), and the draft's context is checked
+        against the target's and set (unset: the target's). Nothing downstream re-checks."""
+        if self.max_model_len is not None and self.max_model_len > target_max_model_len:
             raise config_error("max_model_len", self.max_model_len, "an integer <= the target's "
                                f"max_model_len ({target_max_model_len})", _WHERE)
-        return self.max_model_len
+        model = target_path if self.method == "mtp" and self.model is None else self.model
+        return dataclasses.replace(self, model=model,
+                                   max_model_len=self.max_model_len or target_max_model_len)
 
 
 # ---- the draft checkpoint's config.json -----------------------------------------------------

@@ -54,7 +54,7 @@ class DFlashProposer(Proposer):
                                f"DFlash drafter {spec.model} was trained on blocks of "
                                f"{block} (1 verified token + {block - 1} masks)",
                                "speculative_config")
-        self.max_len = spec.check_against_target(ctx.max_model_len)
+        self.max_len = spec.max_model_len or ctx.max_model_len  # SpeculativeConfig.for_target
         self.cache = KVCache.for_model(self.drafter.layer_config, ctx.max_num_seqs,
                                        self.max_len + self.k + 1, dtype=ctx.dtype,
                                        device=ctx.device)

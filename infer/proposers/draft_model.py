@@ -46,7 +46,7 @@ class DraftModelProposer(Proposer):
                                   f"vocab_size {vocab} but the target has {ctx.vocab_size}; a "
                                   "draft model must share the target's tokenizer and vocabulary")
         self.k = spec.num_speculative_tokens
-        self.max_len = spec.check_against_target(ctx.max_model_len)
+        self.max_len = spec.max_model_len or ctx.max_model_len  # SpeculativeConfig.for_target
         self.mask_id = _mask_token(spec) if spec.parallel_drafting else None
         # room for the catch-up tokens plus k - 1 drafts or masks beyond the longest sequence
         self.cache = KVCache.for_model(self.model.config, ctx.max_num_seqs, self.max_len + self.k,

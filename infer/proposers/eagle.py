@@ -75,7 +75,7 @@ class EagleChainProposer(Proposer):
         super().__init__(spec, ctx)
         self.drafter = inference_layout(self.load_drafter(spec, ctx))
         self.k = spec.num_speculative_tokens
-        self.max_len = spec.check_against_target(ctx.max_model_len)
+        self.max_len = spec.max_model_len or ctx.max_model_len  # SpeculativeConfig.for_target
         # catch-up pairs of the longest sequence plus k - 1 drafted pairs
         self.cache = KVCache.for_model(self.drafter.layer_config, ctx.max_num_seqs,
                                        self.max_len + self.k, dtype=ctx.dtype, device=ctx.device)

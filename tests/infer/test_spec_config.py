@@ -423,14 +423,15 @@ def test_to_dict_is_minimal_and_resolved(tmp_path):
     assert out == {"method": "mlp_speculator", "model": str(path), "num_speculative_tokens": 4}
 
 
-def test_check_against_target():
+def test_resolved_against_the_target_once():
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_model_len=1024)
-    assert cfg.check_against_target(2048) == 1024
-    assert cfg.check_against_target(1024) == 1024
+    assert cfg.for_target("t", 2048).max_model_len == 1024
+    assert cfg.for_target("t", 1024).max_model_len == 1024
     with pytest.raises(ValueError, match=r"'max_model_len': 1024; expected .*<= .*\(512\)"):
-        cfg.check_against_target(512)
+        cfg.for_target("t", 512)
     unset = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    assert unset.check_against_target(4096) == 4096
+    assert unset.for_target("t", 4096).max_model_len == 4096  # the target's (mtp's model:
+    # tests/infer/proposers/test_mtp.py, where a target with MTP layers exists)
 
 
 def test_speculative_token_map_is_an_eagle3_file_found_beside_the_head(tmp_path, monkeypatch):
