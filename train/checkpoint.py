@@ -138,14 +138,25 @@ def resolve_resume(resume: str, root: Path) -> Path | None:
 
 
 def check_compatible(path: Path, state: dict[str, Any], compat: dict[str, Any]) -> None:
-    """Raise ``IncompatibleCheckpoint`` naming the path, the differing keys and the way out."""
+    """Raise ``IncompatibleCheckpoint`` naming the path, the differing keys and the way out.
+    A key a checkpoint's record lacks (written before the setting existed) counts as the
+    setting's default, so old checkpoints resume as long as new settings stay at theirs."""
     if state.get("fingerprint") == digest(compat):
         return
-    fingerprint.check(state.get("compat", {}), compat, subject=f"checkpoint {path}",
+    saved = {**_defaults(compat), **state.get("compat", {})}
+    fingerprint.check(saved, compat, subject=f"checkpoint {path}",
                       held="checkpoint has", error=IncompatibleCheckpoint, remedy=(
                           "Restore those settings to resume from it, or start over with "
                           "trainer.resume=never (replaces this stage's checkpoints) or a "
                           "different output_dir / name."))
+
+
+def _defaults(compat: dict[str, Any]) -> dict[str, Any]:
+    """The compat record of the default settings, for the keys of ``compat``."""
+    from train.config import TrainConfig
+
+    default = compat_config(TrainConfig(), str(compat.get("stage")), compat.get("num_processes"))
+    return {k: v for k, v in default.items() if k in compat}
 
 
 def check_unpickled_shards(accelerator, path: Path, root: Path) -> None:
