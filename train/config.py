@@ -23,67 +23,13 @@ from omegaconf import OmegaConf
 
 from infer.config import Dtype, EvalConfig, EvalEngine, LoggerKind
 from infer.config_docs import register_help_resolver
-from infer.foundation.validation import (StrChoice, check_bool, check_choice, check_fields,
-                                         check_float, check_int, check_list, check_str,
-                                         config_error)
+from infer.foundation.validation import (check_bool, check_choice, check_fields, check_float,
+                                         check_int, check_list, check_str, config_error)
+from train.choices import (DataFormat, Device, DistillLoss, FeatureMode, LmHeadInit, Optimizer,
+                           Precision, Schedule, StorageDtype, TargetSharding, WandbMode)
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "tiny_eagle3"
-
-
-class DataFormat(StrChoice):
-    openai = "openai"
-    sharegpt = "sharegpt"
-    prompt_completion = "prompt_completion"
-    text = "text"
-
-
-class FeatureMode(StrChoice):
-    online = "online"
-    offline = "offline"
-
-
-class TargetSharding(StrChoice):
-    auto = "auto"
-    none = "none"
-    fsdp = "fsdp"
-    zero3 = "zero3"
-
-
-class StorageDtype(StrChoice):
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
-
-
-class Schedule(StrChoice):
-    cosine = "cosine"
-    linear = "linear"
-    constant = "constant"
-
-
-class Precision(StrChoice):
-    auto = "auto"
-    no = "no"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Device(StrChoice):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class LmHeadInit(StrChoice):
-    target_rows = "target_rows"
-    random = "random"
-
-
-class WandbMode(StrChoice):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
 
 
 @dataclass
@@ -241,6 +187,10 @@ class ObjectiveConfig:
     """Step s of the unroll has weight step_weight ** s (EAGLE: 0.8, speculators: 1)."""
     feature_noise: float = 0.0
     """Uniform noise amplitude on the target features (EAGLE: 0.1-0.2)."""
+    loss: DistillLoss = DistillLoss.kl
+    """The distillation loss toward the target's distribution p (train/objectives/losses.py):
+    kl = KL(p||q), rkl = KL(q||p), jsd, ce (p's argmax), tv = 1 - acceptance (sum min(p, q)),
+    nla = -log acceptance, lk_hybrid = lambda KL + (1 - lambda) TV, lambda = exp(-3 acceptance)."""
     regression_weight: float = 1.0
     """eagle: SmoothL1 on the next feature."""
     ce_weight: float = 0.1
@@ -279,7 +229,10 @@ class TrainerConfig:
     """The accelerate training loop (train/trainer.py)."""
 
     lr: float = 1e-4
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW's; Muon's matrices take 10x)."""
+    optimizer: Optimizer = Optimizer.adamw
+    """adamw, or muon (speculators' default): Muon on the 2-D weights but embeddings and LM
+    heads (momentum 0.95, 5 Newton-Schulz steps, RMS matched to AdamW), AdamW on the rest."""
     num_threads: Optional[int] = None
     """CPU torch threads of training and its evaluation; None: one per core other
     processes leave free, re-checked while running (infer/foundation/threads.py)."""
@@ -460,6 +413,7 @@ _SECTION_RULES = {
                 "tie_weights": _flag, "scale_input": _flag, "model": _opt_str,
                 "mask_token_id": _opt_nonneg, "init_from": _opt_str},
     "objective": {"ttt_steps": _pos, "step_weight": _weight, "feature_noise": _weight,
+                  "loss": _choice(DistillLoss),
                   "regression_weight": _weight, "ce_weight": _weight, "kd_weight": _weight,
                   "argmax_weight": _weight,
                   "pard_k": _pos, "cod_ratio": _share, "cod_min": _share,
@@ -467,7 +421,8 @@ _SECTION_RULES = {
                   "max_anchors": _pos, "decay_gamma": _positive, "stage2_steps": _nonneg,
                   "stage2_lr_factor": _positive, "stage2_warmup_steps": _opt_nonneg,
                   "stage2_min_lr_ratio": _fraction},
-    "trainer": {"lr": _positive, "weight_decay": _weight, "betas": _check_betas,
+    "trainer": {"lr": _positive, "optimizer": _choice(Optimizer), "weight_decay": _weight,
+                "betas": _check_betas,
                 "max_grad_norm": _weight, "schedule": _choice(Schedule), "warmup_steps": _nonneg,
                 "warmup_ratio": _fraction, "min_lr_ratio": _fraction, "epochs": _positive,
                 "max_steps": _opt_pos, "micro_batch_size": _pos, "grad_accum": _pos,

@@ -39,6 +39,7 @@ from infer.foundation.tracking import Logger
 from infer.foundation.validation import config_error
 from train import checkpoint as ckpt
 from train.config import validate_section
+from train.optim import make_optimizer
 from train.data import collate
 from train.features import FeatureSource
 from train.fingerprint import digest
@@ -122,19 +123,6 @@ def make_accelerator(tcfg, seed: int):
                        step_scheduler_with_optimizer=False,
                        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
                                                                  data_seed=seed))
-
-
-def make_optimizer(objective: torch.nn.Module, tcfg) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; norms and biases (1-D) get no weight decay."""
-    params = [p for p in objective.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(f"{type(objective).__name__} has no trainable parameters "
-                         "(its drafter must hold parameters with requires_grad=True)")
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": tcfg.weight_decay,
-               "decay": True},  # the flag survives DeepSpeed's flattening of "params"
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=tcfg.lr,
-                             betas=tuple(tcfg.betas))
 
 
 def _fill_deepspeed(accelerator, tcfg) -> None:

@@ -425,3 +425,18 @@ def test_deepspeed_and_fsdp_resume_only_their_own_checkpoints(tmp_path):
             check_unpickled_shards(acc, foreign, root)
     for kind in (DistributedType.NO, DistributedType.MULTI_CPU):
         check_unpickled_shards(SimpleNamespace(distributed_type=kind), foreign, root)
+
+
+def test_muon_trains_and_resumes_exactly(tmp_path):
+    """trainer.optimizer=muon through accelerate: checkpoints hold both optimizers' state, and
+    a crashed run resumed ends where an uninterrupted one does."""
+    rows = synthetic_rows(8)
+    kw = dict(max_steps=4, save_every=2, optimizer="muon")
+    full, res_a = run(make_cfg(tmp_path / "a", **kw), rows)
+    cfg_b = make_cfg(tmp_path / "b", **kw)
+    with pytest.raises(Crash):
+        run(cfg_b, rows, _on_step=crash_at(3))
+    resumed, res_b = run(cfg_b, rows)
+    assert res_b.step == res_a.step == 4
+    for k, v in params(full).items():
+        assert torch.equal(params(resumed)[k], v), k

@@ -129,6 +129,15 @@ class Objective(nn.Module, ABC):
         super().__init__()
         self.cfg, self.vocab, self.target_dir = cfg, vocab, str(target_dir)
         object.__setattr__(self, "heads", heads)  # frozen, not a submodule
+        loss = getattr(getattr(cfg, "objective", None), "loss", "kl")  # objective.loss
+        self.loss_kind = str(getattr(loss, "value", loss))
+
+    def distill(self, logits: Tensor, target_logp: Tensor) -> Tensor:
+        """``objective.loss`` per position between the draft's ``logits [..., V]`` and the
+        target's ``target_logp [..., V]`` (train/objectives/losses.py)."""
+        from train.objectives.losses import distill_loss
+
+        return distill_loss(self.loss_kind, logits, target_logp)
 
     @abstractmethod
     def feature_spec(self) -> FeatureSpec:

@@ -51,7 +51,6 @@ from infer.models.loader import resolve_model_dir
 from infer.foundation.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective, from_end
 from train.objectives.eagle3 import full_vocab_argmax
-from train.objectives.losses import forward_kl
 from train.objectives.pard import choose_mask_token
 from train.real.targets import verifier_name
 
@@ -211,7 +210,7 @@ class DFlashObjective(Objective):
         b, a, s = at.shape
         flat = at.view(b, a * s)
         target = logp.gather(1, flat[..., None].expand(-1, -1, logp.shape[-1]))
-        kl = forward_kl(logits, target.view(b, a, s, -1))  # [B, A, Bk-1]
+        kl = self.distill(logits, target.view(b, a, s, -1))  # [B, A, Bk-1]
         right = self.drafter.to_target_ids(logits.argmax(-1)) == argmax.gather(1, flat).view_as(at)
         w = torch.exp(-torch.arange(s, device=kl.device, dtype=torch.float32) / self.gamma)
         wt = trains.float() * w  # [B, A, Bk-1]
@@ -257,5 +256,6 @@ def slot_metrics(kl: Tensor, right: Tensor, trains: Tensor) -> dict[str, Tensor]
         run = run * acc.detach()
         est = est + run
     metrics["acceptance_length_est"] = est
+    metrics["eal"] = est - 1  # this estimate is the product form already
     return metrics
 

@@ -27,7 +27,6 @@ from infer.foundation.files import check_tensors
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.foundation.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec
-from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
 
 _WHERE = "train config"
@@ -80,7 +79,7 @@ class EagleObjective(TTTObjective):
     def step_loss(self, step, logits, hidden, targets):
         feature, target = targets["hidden"], targets["logp"]  # [N, H] (f_{t+1+step}), [N, V]
         reg = F.smooth_l1_loss(hidden.float(), feature.float(), reduction="none").mean(-1)
-        kl = forward_kl(logits, target)  # [N]
+        kl = self.distill(logits, target)  # [N]
         loss = self.regression_weight * reg + self.ce_weight * kl
         return loss, logits.argmax(-1) == target.argmax(-1), {"regression": reg, "kl": kl}
 

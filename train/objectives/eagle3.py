@@ -41,7 +41,6 @@ from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer
 from infer.foundation.validation import config_error
 from train.config import LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec, from_end, last_layer_state
-from train.objectives.losses import forward_kl
 from train.objectives.ttt import TTTObjective
 from train.real.targets import verifier_name
 from train.vocab import DraftVocab
@@ -175,7 +174,7 @@ class Eagle3Objective(TTTObjective):
                 "oov": argmax_draft < 0, "argmax_draft": argmax_draft}
 
     def step_loss(self, step, logits, hidden, targets):
-        loss = forward_kl(logits, targets["logp"])  # [N]
+        loss = self.distill(logits, targets["logp"])  # [N]
         if self.argmax_weight > 0:  # a greedy draft must hit the argmax, not the distribution
             want = targets["argmax_draft"]  # [N] draft ids, -1 outside the draft vocabulary
             ce = F.cross_entropy(logits.float(), want.clamp_min(0), reduction="none")  # [N]

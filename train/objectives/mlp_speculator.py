@@ -33,7 +33,7 @@ from infer.foundation.validation import config_error
 from train.config import validate_section
 from train.objectives.base import (OBJECTIVES, FeatureSpec, LossOutput, Objective, Stage,
                                    StageData)
-from train.objectives.losses import forward_kl, masked_mean
+from train.objectives.losses import expected_acceptance, masked_mean
 
 _WHERE = "train config"
 
@@ -159,7 +159,7 @@ class MLPSpeculatorObjective(Objective):
             metrics[f"loss/head_{i}"] = head_loss.detach()
             if target_logp is not None:
                 m = max(t - 1 - i, 0)  # head i at t is matched by the target at t + 1 + i
-                kl = forward_kl(logits[:, :m], target_logp[:, 1 + i: 1 + i + m])  # [B, m]
+                kl = self.distill(logits[:, :m], target_logp[:, 1 + i: 1 + i + m])  # [B, m]
                 kd = (kl * v[:, :m]).sum() / count
                 metrics[f"loss/kd_{i}"] = kd.detach()
                 head_loss = head_loss + self.kd_weight * kd
@@ -171,6 +171,7 @@ class MLPSpeculatorObjective(Objective):
                 metrics[f"full_acc_{i}"] = (all_right & v).sum() / count
                 accept = accept + metrics[f"full_acc_{i}"]
         metrics["acceptance_length_est"] = accept
+        metrics["eal"] = expected_acceptance([metrics[f"acc_{i}"] for i in range(n)])
         return LossOutput(loss, metrics, valid.sum())
 
     def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:

@@ -56,7 +56,7 @@ from infer.proposers.draft_model import MASK_KEYS
 from infer.foundation.validation import config_error
 from train.config import validate_section
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
-from train.objectives.losses import forward_kl, masked_mean
+from train.objectives.losses import expected_acceptance, masked_mean
 
 _WHERE = "train config"
 
@@ -217,13 +217,13 @@ class PardObjective(Objective):
         return LossOutput(loss, metrics, count)
 
     def _kd(self, hidden: Tensor, pb: PardBatch, logits: Tensor) -> Tensor:
-        """``KL(target || draft)`` per position ``[B, N]``; the target's distribution for token
-        ``t + 1`` is ``lm_head(hidden_t)``."""
+        """``objective.loss`` (default KL(target || draft)) per position ``[B, N]``; the
+        target's distribution for token ``t + 1`` is ``lm_head(hidden_t)``."""
         lm = self.heads.lm_head
         with torch.no_grad():
             h = hidden[:, pb.index]  # [B, N, H]
             target_logp = F.log_softmax(lm(h.to(lm.weight.dtype)).float(), dim=-1)  # [B, N, V]
-        return forward_kl(logits, target_logp)
+        return self.distill(logits, target_logp)
 
     def export(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """A Hugging Face causal-LM directory: the draft's config.json with ``pard_token``,
@@ -274,6 +274,7 @@ def chain_accuracy(copy: Tensor, index: Tensor, valid: Tensor, right: Tensor, lo
         out[f"loss/{label}_{j}"], out[f"acc_{j}"] = mean_loss[j], acc[j]
         out[f"full_acc_{j}"] = full_acc[j]
     out["acceptance_length_est"] = 1 + full_acc.sum()
+    out["eal"] = expected_acceptance(acc)
     return out
 
 

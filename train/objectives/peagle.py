@@ -53,7 +53,7 @@ from infer.spec_config import checkpoint_type
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput
 from train.objectives.eagle3 import (Eagle3Objective, init_aux_layer_ids, load_init,
                                      resolve_aux_layer_ids)
-from train.objectives.losses import forward_kl, masked_mean
+from train.objectives.losses import masked_mean
 from train.objectives.pard import chain_accuracy, choose_mask_token, cod_selection, copy_layout
 from train.objectives.ttt import shift_left
 
@@ -164,7 +164,7 @@ class PEagleObjective(Eagle3Objective):
         with torch.no_grad():
             targets = self.distributions(batch["hidden"])  # [B, T, ...]
         r, logits = self.rows(batch, self.selection(batch))  # [B, N, Vd]
-        kl = forward_kl(logits, targets["logp"][:, r.target_index])  # [B, N]
+        kl = self.distill(logits, targets["logp"][:, r.target_index])  # [B, N]
         loss = masked_mean(kl, r.valid)  # every trained row once (module doc)
         with torch.no_grad():
             proposed = self.drafter.to_target_ids(logits.argmax(-1))  # [B, N]

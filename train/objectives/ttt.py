@@ -44,6 +44,7 @@ from torch import Tensor
 
 from infer.drafters.common import TTTKeys
 from train.config import validate_section
+from train.objectives.losses import expected_acceptance
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
 
@@ -124,6 +125,7 @@ class StepStats:
         m[f"cond_acc_{step}"] = (full & valid).sum() / (prev & valid).sum().clamp(min=1)
         self.accept = m[f"full_acc_{step}"] + (0 if self.accept is None else self.accept)
         m["acceptance_length_est"] = 1 + self.accept
+        m["eal"] = expected_acceptance([m[f"acc_{s}"] for s in range(step + 1)])
         self.full = full
 
 

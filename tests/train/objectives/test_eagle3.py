@@ -4,6 +4,7 @@ falls, step weights act, export round-trips to identical logits and serves greed
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from pathlib import Path
 
@@ -473,3 +474,16 @@ def test_layer_from_target_refuses_a_head_of_another_width(env, train_data):
     width = env[1].config.intermediate_size + 8
     with pytest.raises(ValueError, match=rf"drafter\.intermediate_size.*{width}.*MLP width"):
         build("eagle3", env, train_data, layer_from_target=True, intermediate_size=width)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_objective_loss_reaches_the_step_loss_and_eal_is_logged(env, train_data, method):
+    """objective.loss=tv trains 1 - acceptance instead of KL: a loss in [0, 1] per position,
+    different from KL's on the same batch; eal = sum_k prod_{i<=k} acc_i beside the accuracies."""
+    batch = env[2][0]
+    with torch.no_grad():
+        kl = build(method, env, train_data)(batch)
+        tv = build(method, env, train_data, loss="tv")(batch)
+    assert not torch.isclose(kl.loss, tv.loss)
+    want = sum(math.prod(float(tv.metrics[f"acc_{i}"]) for i in range(s + 1)) for s in range(3))
+    assert float(tv.metrics["eal"]) == pytest.approx(want, rel=1e-5)
