@@ -20,7 +20,7 @@ Block verification (``_block_kernel``) walks the row's block positions in order,
 ``p_i`` and the last position that may end the block; each position below the row's draft count
 streams the next position's vocabulary once for ``Z_{i+1}`` (a sum: its chunked order differs
 from torch's, so the two can disagree where a uniform lies within float rounding of ``h_i``),
-then the final token streams position ``tau`` as above.
+then ``_final_token`` streams position ``tau`` with the residual scaled by ``p_tau``.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def _race_update(score, start, best, best_idx):
 
 @triton.jit
 def _final_token(probs_ptr, draft_ptr, noise_ptr, q_ptr, row, num_acc, n_drafts, K, VOCAB,
-                 METHOD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Recovered token (first rejection) or bonus token (all accepted) for this row."""
+                 METHOD: tl.constexpr, BLOCK_V: tl.constexpr, scale=1.0):
+    """Recovered token (first rejection) or bonus token (all accepted) for this row; the
+    residual is ``max(scale * p - q, 0)`` (block verification's ``p_tau``; 1 otherwise)."""
     rejected = num_acc < n_drafts
     p_base = (row * (K + 1) + num_acc) * VOCAB
     q_base = (row * K + num_acc) * VOCAB
@@ -90,12 +91,12 @@ def _final_token(probs_ptr, draft_ptr, noise_ptr, q_ptr, row, num_acc, n_drafts,
                                      best_p, idx_p)
         if METHOD != SYNTHETIC:
             if METHOD == ONE_HOT_Q:
-                r = tl.where(cols == x_rej, 0.0, p)
+                r = tl.where(cols == x_rej, 0.0, scale * p)
             else:
                 # a block-shaped mask (the interpreter rejects scalar & block masks)
                 q_mask = inb & ((cols * 0 + num_acc) < n_drafts)
                 q = tl.load(q_ptr + q_base + cols, mask=q_mask, other=0.0)
-                r = tl.maximum(p - q, 0.0)
+                r = tl.maximum(scale * p - q, 0.0)
             r_max = tl.maximum(r_max, tl.max(r, axis=0))
             best_r, idx_r = _race_update(tl.where(inb, tl.math.div_rn(r, e), float("-inf")),
                                          start, best_r, idx_r)
@@ -194,39 +195,6 @@ def _block_tau(probs_ptr, draft_ptr, uniform_ptr, q_ptr, row, n_drafts, K, VOCAB
 
 
 @triton.jit
-def _block_final(probs_ptr, draft_ptr, noise_ptr, q_ptr, row, tau, p_tau, n_drafts, K, VOCAB,
-                 ONE_HOT: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The token after the kept drafts: from the block's residual at ``tau`` when it ended
-    early (the target's own distribution if that residual is all zero), else the bonus."""
-    early = tau < n_drafts
-    pos = tl.minimum(tau, K - 1)
-    x_rej = tl.load(draft_ptr + row * K + pos, mask=early, other=-1)
-    p_base = (row * (K + 1) + tau) * VOCAB
-    best_p = tl.full([], float("-inf"), tl.float32)
-    idx_p = tl.full([], 0, tl.int32)
-    best_r = tl.full([], float("-inf"), tl.float32)
-    idx_r = tl.full([], 0, tl.int32)
-    r_max = tl.full([], 0.0, tl.float32)
-    for start in range(0, VOCAB, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        inb = cols < VOCAB
-        p = tl.load(probs_ptr + p_base + cols, mask=inb, other=0.0)
-        e = tl.load(noise_ptr + row * VOCAB + cols, mask=inb, other=1.0)
-        best_p, idx_p = _race_update(tl.where(inb, tl.math.div_rn(p, e), float("-inf")), start,
-                                     best_p, idx_p)
-        if ONE_HOT:
-            r = tl.where(cols == x_rej, 0.0, p_tau * p)
-        else:
-            q_mask = inb & ((cols * 0 + tau) < n_drafts)
-            q = tl.load(q_ptr + (row * K + pos) * VOCAB + cols, mask=q_mask, other=0.0)
-            r = tl.maximum(p_tau * p - q, 0.0)
-        r_max = tl.maximum(r_max, tl.max(r, axis=0))
-        best_r, idx_r = _race_update(tl.where(inb, tl.math.div_rn(r, e), float("-inf")), start,
-                                     best_r, idx_r)
-    return tl.where(early & (r_max > 0.0), idx_r, idx_p)
-
-
-@triton.jit
 def _block_kernel(probs_ptr, draft_ptr, num_drafts_ptr, uniform_ptr, noise_ptr, q_ptr, out_ptr,
                   K, VOCAB, ONE_HOT: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_V: tl.constexpr):
@@ -234,8 +202,9 @@ def _block_kernel(probs_ptr, draft_ptr, num_drafts_ptr, uniform_ptr, noise_ptr, 
     n_drafts = tl.load(num_drafts_ptr + row)
     tau, p_tau = _block_tau(probs_ptr, draft_ptr, uniform_ptr, q_ptr, row, n_drafts, K, VOCAB,
                             ONE_HOT, BLOCK_V)
-    final = _block_final(probs_ptr, draft_ptr, noise_ptr, q_ptr, row, tau, p_tau, n_drafts, K,
-                         VOCAB, ONE_HOT, BLOCK_V)
+    # the token after the kept drafts: from the block's residual at tau when it ended early
+    final = _final_token(probs_ptr, draft_ptr, noise_ptr, q_ptr, row, tau, n_drafts, K, VOCAB,
+                         ONE_HOT_Q if ONE_HOT else DRAFT_Q, BLOCK_V, p_tau)
     slots = tl.arange(0, BLOCK_K)
     drafts = tl.load(draft_ptr + row * K + slots, mask=slots < tau, other=-1)
     out = tl.where(slots == tau, final.to(tl.int64), drafts)

@@ -25,8 +25,8 @@ def _cfg(optimizer):
     return SimpleNamespace(optimizer=optimizer, lr=1e-2, weight_decay=0.01, betas=[0.9, 0.95])
 
 
-def _train(model, opt, steps, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def _train(model, opt, steps, g=None):
+    g = g or torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):
         ids = torch.randint(0, 11, (4, 6), generator=g)
@@ -78,15 +78,7 @@ def test_state_dict_resumes_exactly():
     g = torch.Generator().manual_seed(0)
     for _ in range(2):  # the 2 batches the straight run saw last
         torch.randint(0, 11, (4, 6), generator=g)
-    _train_from(resumed, again, g, 2)
+    _train(resumed, again, 2, g)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 
-
-def _train_from(model, opt, g, steps):
-    for _ in range(steps):
-        ids = torch.randint(0, 11, (4, 6), generator=g)
-        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ((ids + 3) % 11).flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
