@@ -90,6 +90,8 @@ def test_named_target_drafts_with_its_recipes_head_and_evaluates_on_chat(infer_e
     assert prompts is None and cfg.eval.dataset == "draftsmith:chat-heldout"
     assert cfg.speculative_config == {"method": "eagle3", "num_speculative_tokens": 3,
                                       "model": str(Path("outputs/smollm2_eagle3/final"))}
-    # no draft LM pairs with a real target: that default row goes; the recipe's head joins
-    assert [m["method"] for m in cfg.eval.methods] == ["ngram", "suffix", "eagle3"]
+    # the default draft_model row gets the draft derived from the target (train/real/draft.py);
+    # the recipe's head joins
+    assert [m["method"] for m in cfg.eval.methods] == ["ngram", "suffix", "draft_model", "eagle3"]
+    assert cfg.eval.methods[2]["model"] == target + "-draft"
     assert cfg.eval.methods[-1]["name"] == "smollm2_eagle3"

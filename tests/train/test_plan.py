@@ -21,7 +21,7 @@ from train.config import TrainerConfig
 from train.objectives.base import OBJECTIVES
 from train.pipeline import run
 
-from ..infer.test_entry import assert_user_error, entry
+from ..infer.foundation.test_entry import assert_user_error, entry
 from .test_config import compose_train
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,

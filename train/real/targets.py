@@ -90,12 +90,14 @@ def ensure_named_target(name: str, cache: Path | None = None) -> Path:
                   "(once; float32 safetensors)", flush=True)
             convert_gguf(gguf, dest)
             write_text(dest / MARKER, json.dumps(source, indent=2) + "\n")
-        draft, derived = paired_draft_dir(dest), {**source, "draft_layers": target.draft_layers}
+        total = json.loads((dest / "config.json").read_text())["num_hidden_layers"]
+        layers = min(target.draft_layers, total - 1)  # a small (test) target keeps one layer out
+        draft, derived = paired_draft_dir(dest), {**source, "draft_layers": layers}
         remove_leftovers(draft)
         if _marker(draft) != derived:
-            print(f"deriving the draft LM {draft.name}: the first {target.draft_layers} layers "
-                  "of the target (once)", flush=True)
-            derive_draft(dest, draft, target.draft_layers)
+            print(f"deriving the draft LM {draft.name}: the first {layers} layers of the target "
+                  "(once)", flush=True)
+            derive_draft(dest, draft, layers)
             write_text(draft / MARKER, json.dumps(derived, indent=2) + "\n")
     return dest
 

