@@ -37,6 +37,7 @@ from infer.models.llama import Llama
 from infer.models.loader import load_config, resolve_dtype, resolve_model_dir, weight_files
 from infer.foundation.validation import check_choice, config_error
 from train import fingerprint
+from infer.foundation.threads import GOVERNOR
 from train.config import FeatureMode, FeaturesConfig, StorageDtype
 from train.data import collate, document_attention_mask
 from train.frozen_target import FrozenTarget, most_over_ranks
@@ -284,6 +285,7 @@ def _compute_shards(target: FrozenTarget, dataset, spec, cache: Path, todo, dims
                                       meta)
                 try:
                     for s in range(a, b, batch_size):
+                        GOVERNOR.tick()  # one torch thread per free core, re-checked
                         e = min(s + batch_size, b)
                         batch = collate([rows[j] for j in range(s, e)], pad_id=0)  # [B, T] each
                         batch = {k: v.to(target.device) for k, v in batch.items()}
