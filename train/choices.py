@@ -74,6 +74,13 @@ class DistillLoss(StrChoice):
     lk_hybrid = "lk_hybrid"
 
 
+class PositionWeights(StrChoice):
+    """``objective.position_weights``: how the steps of a drafted chain weigh in the loss."""
+
+    geometric = "geometric"  # step s: objective.step_weight ** s (exponential decay)
+    dpace = "dpace"  # D-PACE: by how much acceptance still rides on the step (no gradient)
+
+
 class Optimizer(StrChoice):
     adamw = "adamw"
     muon = "muon"

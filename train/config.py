@@ -26,7 +26,8 @@ from infer.config_docs import register_help_resolver
 from infer.foundation.validation import (check_bool, check_choice, check_fields, check_float,
                                          check_int, check_list, check_str, config_error)
 from train.choices import (DataFormat, Device, DistillLoss, FeatureMode, LmHeadInit, Optimizer,
-                           Precision, Schedule, StorageDtype, TargetSharding, WandbMode)
+                           PositionWeights, Precision, Schedule, StorageDtype, TargetSharding,
+                           WandbMode)
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = "tiny_eagle3"
@@ -185,6 +186,9 @@ class ObjectiveConfig:
     """eagle3 / eagle: training-time-test unroll length."""
     step_weight: float = 1.0
     """Step s of the unroll has weight step_weight ** s (EAGLE: 0.8, speculators: 1)."""
+    position_weights: PositionWeights = PositionWeights.geometric
+    """eagle3 / eagle / mtp: geometric (step_weight ** s) or dpace: step s of an anchor weighs
+    sum_{m >= s} prod_{j <= m} (0.5 exp(-loss_j) + 0.5) over its valid steps (no gradient)."""
     feature_noise: float = 0.0
     """Uniform noise amplitude on the target features (EAGLE: 0.1-0.2)."""
     loss: DistillLoss = DistillLoss.kl
@@ -413,7 +417,7 @@ _SECTION_RULES = {
                 "tie_weights": _flag, "scale_input": _flag, "model": _opt_str,
                 "mask_token_id": _opt_nonneg, "init_from": _opt_str},
     "objective": {"ttt_steps": _pos, "step_weight": _weight, "feature_noise": _weight,
-                  "loss": _choice(DistillLoss),
+                  "loss": _choice(DistillLoss), "position_weights": _choice(PositionWeights),
                   "regression_weight": _weight, "ce_weight": _weight, "kd_weight": _weight,
                   "argmax_weight": _weight,
                   "pard_k": _pos, "cod_ratio": _share, "cod_min": _share,

@@ -15,6 +15,10 @@
   accuracies, the accepted drafts a chain would expect if its positions failed independently
   (speculators' training metric, logged as ``eal`` by every objective; ``1 + eal`` compares with
   ``acceptance_length_est``, which counts whole right chains instead).
+- ``dpace_weights(losses, valid)``: D-PACE position weights (speculators): with
+  ``q_k = exp(-loss_k)`` (how likely step k of an anchor's chain is right) and ``s_k = 0.5 q_k +
+  0.5``, ``P_k = prod_{j <= k} s_j`` and ``w_k = sum_{m >= k} P_m valid_m``: a step weighs what
+  the steps after it still stand to accept; no gradient.
 - ``masked_mean(values, valid)``: the mean over the positions that train.
 """
 
@@ -64,6 +68,16 @@ def expected_acceptance(accs: Sequence[Tensor] | Tensor) -> Tensor:
     """EAL (module doc) from the per-position accuracies ``accs`` ([k] or k scalars)."""
     accs = accs if isinstance(accs, Tensor) else torch.stack([a.float() for a in accs])
     return torch.cumprod(accs.float().detach(), 0).sum()
+
+
+def dpace_weights(losses: Tensor, valid: Tensor, floor: float = 0.5) -> Tensor:
+    """``losses``, ``valid`` ``[K, ...]`` (step first; invalid entries ignored) -> weights
+    ``[K, ...]`` (module doc), detached."""
+    q = torch.exp(-losses.detach().float()) * valid
+    s = (1 - floor) * q + floor
+    prefix = torch.cumprod(torch.where(valid.bool(), s, torch.ones_like(s)), dim=0)  # P_k
+    kept = prefix * valid
+    return torch.flip(torch.cumsum(torch.flip(kept, [0]), 0), [0])  # sum over m >= k
 
 
 def masked_mean(values: Tensor, valid: Tensor) -> Tensor:

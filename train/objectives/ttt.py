@@ -44,7 +44,7 @@ from torch import Tensor
 
 from infer.drafters.common import TTTKeys
 from train.config import validate_section
-from train.objectives.losses import expected_acceptance
+from train.objectives.losses import dpace_weights, expected_acceptance
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
 
@@ -139,6 +139,7 @@ class TTTObjective(Objective):
         o = cfg.objective
         validate_section("objective", o)  # ttt_steps, step_weight, feature_noise, weights ...
         self.ttt_steps, self.step_weight = int(o.ttt_steps), float(o.step_weight)
+        self.position_weights = str(getattr(o.position_weights, "value", o.position_weights))
         self.feature_noise = float(o.feature_noise)
 
     def noisy(self, x: Tensor) -> Tensor:
@@ -183,7 +184,7 @@ class TTTObjective(Objective):
         with torch.no_grad():
             targets = self.targets(batch, rows)  # {name: [M, ...]}
         valids = [step_valid(loss_mask, docs, s) for s in range(self.ttt_steps)]  # [B, T] each
-        stats, total = StepStats(), 0.0
+        stats, total, grids = StepStats(), 0.0, []
         for s, (logits, hidden) in enumerate(self.unroll(batch, valids)):
             valid = valids[s]
             index = step_index(rows, valid, s)  # [N]
@@ -192,7 +193,19 @@ class TTTObjective(Objective):
             count = max(index.numel(), 1)
             loss = loss_pos.sum() / count
             total = total + self.step_weight ** s * loss
+            if self.position_weights == "dpace":  # the anchors' losses, [B, T]
+                grid = torch.zeros(valid.shape, device=valid.device)
+                grids.append(grid.masked_scatter(valid, loss_pos.float()))
             padded = torch.zeros_like(valid)  # [B, T]
             padded[valid] = correct
             stats.add(s, loss, padded, valid, {k: v.sum() / count for k, v in extras.items()})
+        if self.position_weights == "dpace":  # replaces the geometric total
+            total = dpace_total(torch.stack(grids), torch.stack(valids))
         return LossOutput(total, stats.metrics, valids[0].sum())
+
+
+def dpace_total(losses: Tensor, valid: Tensor) -> Tensor:
+    """``losses``, ``valid`` ``[K, B, T]`` -> sum over steps of each step's D-PACE-weighted
+    mean loss over its valid anchors (train/objectives/losses.py ``dpace_weights``)."""
+    weighted = dpace_weights(losses, valid) * losses  # [K, B, T]
+    return (weighted.sum((1, 2)) / valid.sum((1, 2)).clamp(min=1)).sum()

@@ -487,3 +487,11 @@ def test_objective_loss_reaches_the_step_loss_and_eal_is_logged(env, train_data,
     assert not torch.isclose(kl.loss, tv.loss)
     want = sum(math.prod(float(tv.metrics[f"acc_{i}"]) for i in range(s + 1)) for s in range(3))
     assert float(tv.metrics["eal"]) == pytest.approx(want, rel=1e-5)
+
+
+def test_dpace_position_weights_replace_the_geometric_total(env, train_data):
+    batch = env[2][0]
+    geometric = build("eagle3", env, train_data)(batch)
+    dpace = build("eagle3", env, train_data, position_weights="dpace")(batch)
+    assert not torch.isclose(geometric.loss, dpace.loss) and dpace.loss.requires_grad
+    dpace.loss.backward()  # trains: gradients reach the head

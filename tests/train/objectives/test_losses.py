@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from train.objectives.losses import distill_loss, expected_acceptance
+from train.objectives.losses import distill_loss, dpace_weights, expected_acceptance
 
 P = torch.tensor([0.5, 0.3, 0.2])
 Q = torch.tensor([0.2, 0.3, 0.5])
@@ -54,3 +54,17 @@ def test_eal_is_the_sum_of_running_products():
     accs = [torch.tensor(0.8), torch.tensor(0.5), torch.tensor(0.25)]
     assert float(expected_acceptance(accs)) == pytest.approx(0.8 + 0.4 + 0.1)
     assert float(expected_acceptance(torch.tensor([1.0, 0.0, 1.0]))) == 1.0
+
+
+def test_dpace_weights_by_hand():
+    """Two anchors, three steps; anchor 1's last step is invalid (past its document)."""
+    losses = torch.tensor([[0.0, 1.0], [math.log(2), 2.0], [math.log(4), 5.0]])  # [K=3, 2]
+    valid = torch.tensor([[1, 1], [1, 1], [1, 0]]).bool()
+    s0 = [0.5 * 1 + 0.5, 0.5 * 0.5 + 0.5, 0.5 * 0.25 + 0.5]  # anchor 0: q = 1, 1/2, 1/4
+    p0 = [s0[0], s0[0] * s0[1], s0[0] * s0[1] * s0[2]]
+    s1 = [0.5 * math.exp(-1) + 0.5, 0.5 * math.exp(-2) + 0.5]
+    p1 = [s1[0], s1[0] * s1[1]]
+    want = torch.tensor([[sum(p0), sum(p1)], [p0[1] + p0[2], p1[1]], [p0[2], 0.0]])
+    got = dpace_weights(losses.requires_grad_(True), valid)
+    torch.testing.assert_close(got, want.float())
+    assert not got.requires_grad  # weights carry no gradient
