@@ -102,7 +102,7 @@ REAL_SMOKE_FLOOR = 1.05  # greedy acceptance length at k=3 of a 60-step head
 def real_report():
     path = os.environ.get("DRAFTSMITH_REAL_RESULTS")
     if not path:
-        pytest.skip("DRAFTSMITH_REAL_RESULTS not set (run `make smoke-real` first; .ci/run does)")
+        pytest.skip("DRAFTSMITH_REAL_RESULTS not set (run `make smoke-real` first)")
     return json.loads(Path(path).read_text())
 
 
