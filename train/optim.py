@@ -29,7 +29,7 @@ def make_optimizer(objective: torch.nn.Module, tcfg) -> torch.optim.Optimizer:
     if not named:
         raise ValueError(f"{type(objective).__name__} has no trainable parameters "
                          "(its drafter must hold parameters with requires_grad=True)")
-    muon = str(getattr(tcfg.optimizer, "value", tcfg.optimizer)) == "muon"
+    muon = str(tcfg.optimizer) == "muon"  # StrChoice or str
     matrices = [p for n, p in named if muon and p.ndim == 2 and not _TOKEN_TABLES.search(n)]
     taken = {id(p) for p in matrices}
     rest = [(n, p) for n, p in named if id(p) not in taken]

@@ -129,8 +129,7 @@ class Objective(nn.Module, ABC):
         super().__init__()
         self.cfg, self.vocab, self.target_dir = cfg, vocab, str(target_dir)
         object.__setattr__(self, "heads", heads)  # frozen, not a submodule
-        loss = getattr(getattr(cfg, "objective", None), "loss", "kl")  # objective.loss
-        self.loss_kind = str(getattr(loss, "value", loss))
+        self.loss_kind = str(getattr(getattr(cfg, "objective", None), "loss", "kl"))
 
     def distill(self, logits: Tensor, target_logp: Tensor) -> Tensor:
         """``objective.loss`` per position between the draft's ``logits [..., V]`` and the

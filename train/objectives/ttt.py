@@ -44,7 +44,7 @@ from torch import Tensor
 
 from infer.drafters.common import TTTKeys
 from train.config import validate_section
-from train.objectives.losses import dpace_weights, expected_acceptance
+from train.objectives.losses import dpace_weights
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
 
@@ -109,6 +109,7 @@ class StepStats:
         self.metrics: dict[str, Tensor] = {}
         self.full: Tensor | None = None  # [B, T] bool: steps 0 .. s-1 right from anchor t
         self.accept = None
+        self.run, self.eal = 1.0, 0.0  # running product of acc_s, and EAL = its sum
 
     def add(self, step: int, loss: Tensor, correct: Tensor, valid: Tensor,
             extras: dict[str, Tensor]) -> None:
@@ -125,7 +126,8 @@ class StepStats:
         m[f"cond_acc_{step}"] = (full & valid).sum() / (prev & valid).sum().clamp(min=1)
         self.accept = m[f"full_acc_{step}"] + (0 if self.accept is None else self.accept)
         m["acceptance_length_est"] = 1 + self.accept
-        m["eal"] = expected_acceptance([m[f"acc_{s}"] for s in range(step + 1)])
+        self.run = self.run * m[f"acc_{step}"].detach()  # EAL (losses.expected_acceptance)
+        self.eal = m["eal"] = self.eal + self.run
         self.full = full
 
 
@@ -139,7 +141,7 @@ class TTTObjective(Objective):
         o = cfg.objective
         validate_section("objective", o)  # ttt_steps, step_weight, feature_noise, weights ...
         self.ttt_steps, self.step_weight = int(o.ttt_steps), float(o.step_weight)
-        self.position_weights = str(getattr(o.position_weights, "value", o.position_weights))
+        self.position_weights = str(o.position_weights)
         self.feature_noise = float(o.feature_noise)
 
     def noisy(self, x: Tensor) -> Tensor:
