@@ -8,7 +8,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from infer.foundation.entry import prepare_argv, user_errors
-from train.config import TrainConfig, register_configs
+from train.config import TrainConfig, explain_method_keys, register_configs
 
 register_configs()
 
@@ -23,5 +23,5 @@ def main(dcfg) -> None:
 
 
 if __name__ == "__main__":
-    prepare_argv("train", "train.py")
+    prepare_argv("train", "train.py", explain_method_keys)
     main()

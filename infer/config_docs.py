@@ -16,14 +16,23 @@ import inspect
 import textwrap
 import typing
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 RESOLVER = "draftsmith_schema"
-_SCHEMAS: dict[str, type] = {}  # resolver argument -> config dataclass
+_SCHEMAS: dict[str, Callable[[], str]] = {}  # resolver argument -> its text
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field name: its attribute docstring}`` of a dataclass (fields without one are absent)."""
+    """``{field name: its attribute docstring}`` of a dataclass, inherited fields included (a
+    subclass that re-declares a field without a docstring keeps its base's); fields without
+    one are absent."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        docs.update(_own_docs(klass))
+    return docs
+
+
+def _own_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
@@ -63,10 +72,12 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def register_help_resolver(name: str, schema: type) -> None:
-    """``${draftsmith_schema:NAME}`` renders ``schema_help(schema)`` (idempotent)."""
+def register_help_resolver(name: str, schema: type,
+                           extra: Callable[[], str] | None = None) -> None:
+    """``${draftsmith_schema:NAME}`` renders ``schema_help(schema)``, then ``extra()`` if given
+    (idempotent)."""
     from omegaconf import OmegaConf
 
-    _SCHEMAS[name] = schema
+    _SCHEMAS[name] = lambda: schema_help(schema) + (extra() if extra else "")
     if not OmegaConf.has_resolver(RESOLVER):
-        OmegaConf.register_new_resolver(RESOLVER, lambda key: schema_help(_SCHEMAS[key]))
+        OmegaConf.register_new_resolver(RESOLVER, lambda key: _SCHEMAS[key]())

@@ -18,7 +18,8 @@ Files and folders get the umask's permissions (``umask_modes``: safetensors writ
 so a checkpoint is as readable as its folder.
 
 The fingerprint covers what makes a saved state meaningless for this run (drafter, objective,
-data, target, regeneration, the features the objective sees, seed, stage, batch geometry);
+data, target, regeneration, the features the objective sees, seed, stage, batch geometry): the
+settings declared ``resume=True`` beside their fields (train/config.py, train/methods/);
 ``regenerate.batch_size`` only when answers are sampled (it changes them then), the feature
 dtype only when features are cached. Optimizer hyperparameters (lr, schedule, clipping, step
 budget) and the device are deliberately outside it: resuming a diverged run with a lower
@@ -33,22 +34,23 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infer.foundation.atomic import (atomic_dir, remove_leftovers, replace_dir, temp_path,
                                      umask_modes)
 from infer.foundation.errors import ConfigError, FileFormatError, MissingFileError
 from train import fingerprint
 from train.fingerprint import digest
+from train.choices import FeatureMode
+from train.methods.base import METHODS
 from train.regenerate import batch_size_matters
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 STATE_FILE = "trainer_state.json"
 DRAFTER_DIR = "drafter"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-# Sections of TrainConfig a checkpoint depends on, and the trainer keys that fix the batches.
-_COMPAT_SECTIONS = ("target", "data", "regenerate", "drafter", "objective")
-_COMPAT_TRAINER = ("micro_batch_size", "grad_accum")
-_COMPAT_IGNORED = {"data.num_proc"}  # speed only (packing runs in one process whatever it is)
 
 
 class IncompatibleCheckpoint(ConfigError):
@@ -74,39 +76,28 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def _as_dict(section: Any) -> Any:
-    if dataclasses.is_dataclass(section) and not isinstance(section, type):
-        return dataclasses.asdict(section)
-    try:  # OmegaConf DictConfig
-        from omegaconf import OmegaConf
+def _pinned(section: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"section.key": value}`` of every setting declared ``resume=True`` (its ``setting``
+    metadata, beside the field) in ``section`` and the sections nested in it."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_pinned(value, f"{prefix}{f.name}."))
+        elif f.metadata.get("resume"):
+            out[f"{prefix}{f.name}"] = value
+    return out
 
-        if OmegaConf.is_config(section):
-            return OmegaConf.to_container(section, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return section
 
-
-def compat_config(cfg: Any, stage: str, world_size: int) -> dict[str, Any]:
-    """Flat ``{"section.key": value}`` of everything a resumable state depends on."""
-    out: dict[str, Any] = {"stage": stage, "seed": getattr(cfg, "seed", None),
-                           "num_processes": world_size}
-    ignored = set(_COMPAT_IGNORED)
-    regen = getattr(cfg, "regenerate", None)
-    if regen is None or not batch_size_matters(regen):  # greedy: the same answers at any batch
-        ignored.add("regenerate.batch_size")
-    for name in _COMPAT_SECTIONS:
-        section = _as_dict(getattr(cfg, name, None))
-        for key, value in sorted((section or {}).items()):
-            if f"{name}.{key}" not in ignored:
-                out[f"{name}.{key}"] = value
-    features = getattr(cfg, "features", None)
-    if features is not None:  # what the objective sees: the cache's dtype only when offline
-        out["features.mode"] = features.mode
-        if features.mode == "offline":
-            out["features.dtype"] = features.dtype
-    for key in _COMPAT_TRAINER:
-        out[f"trainer.{key}"] = getattr(cfg.trainer, key)
+def compat_config(cfg: TrainConfig, stage: str, world_size: int) -> dict[str, Any]:
+    """Flat ``{"section.key": value}`` of everything a resumable state depends on: the settings
+    declared ``resume=True``, less two that matter only sometimes (the regeneration's batch
+    size when its answers are greedy, the feature dtype when features are not cached)."""
+    out: dict[str, Any] = {"stage": stage, "num_processes": world_size, **_pinned(cfg)}
+    if not batch_size_matters(cfg.regenerate):  # greedy: the same answers at any batch size
+        del out["regenerate.batch_size"]
+    if cfg.features.mode != FeatureMode.offline:
+        del out["features.dtype"]
     return json.loads(json.dumps(out, default=str))  # plain JSON values (tuples -> lists)
 
 
@@ -144,7 +135,7 @@ def check_compatible(path: Path, state: dict[str, Any], compat: dict[str, Any]) 
     if state.get("fingerprint") == digest(compat):
         return
     saved = {**_defaults(compat), **state.get("compat", {})}
-    fingerprint.check(saved, compat, subject=f"checkpoint {path}",
+    fingerprint.check(saved, compat, keys=compat, subject=f"checkpoint {path}",
                       held="checkpoint has", error=IncompatibleCheckpoint, remedy=(
                           "Restore those settings to resume from it, or start over with "
                           "trainer.resume=never (replaces this stage's checkpoints) or a "
@@ -152,10 +143,12 @@ def check_compatible(path: Path, state: dict[str, Any], compat: dict[str, Any]) 
 
 
 def _defaults(compat: dict[str, Any]) -> dict[str, Any]:
-    """The compat record of the default settings, for the keys of ``compat``."""
+    """The compat record of the default settings (of ``compat``'s method), for its keys."""
     from train.config import TrainConfig
 
-    default = compat_config(TrainConfig(), str(compat.get("stage")), compat.get("num_processes"))
+    drafter = METHODS.get(compat["drafter.method"])
+    default = compat_config(TrainConfig(drafter=drafter(), objective=drafter.objective_config()),
+                            str(compat.get("stage")), compat.get("num_processes"))
     return {k: v for k, v in default.items() if k in compat}
 
 

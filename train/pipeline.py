@@ -94,8 +94,7 @@ def validate(cfg: TrainConfig) -> None:
     OBJECTIVES.get(cfg.drafter.method)
     if cfg.trainer.resume not in ("auto", "never"):
         resolve_resume(cfg.trainer.resume, checkpoint_root(cfg.run_dir, "main"))
-    for key, path in (("drafter.init_from", cfg.drafter.init_from),
-                      ("drafter.model", cfg.drafter.model)):
+    for key, path in cfg.drafter.model_paths().items():
         if path:  # read after data preparation: check they exist now
             resolve_model_dir(path, key=key)
     template_kwargs(cfg)
@@ -231,7 +230,7 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = T
         raw = regenerated(cfg, target_dir, raw, "regenerated")
     ds = tokenize(cfg, raw, tokenizer)
     vocab_size = load_config(target_dir).vocab_size
-    vocab = build_draft_vocab(ds, vocab_size, min(cfg.drafter.draft_vocab_size, vocab_size))
+    vocab = build_draft_vocab(ds, vocab_size, cfg.drafter.draft_vocab(vocab_size))
     data_dir = cfg.run_dir / "data"
     if save:
         remove_leftovers(data_dir / "*")  # of killed writes; the main process alone writes here

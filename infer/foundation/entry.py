@@ -26,7 +26,7 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from infer.foundation.errors import Interrupted, UserError
 
@@ -100,9 +100,11 @@ def _keys(value: Any) -> list[str]:
     return []
 
 
-def check_overrides(config_name: str, overrides: Sequence[str], prog: str) -> None:
+def check_overrides(config_name: str, overrides: Sequence[str], prog: str,
+                    explain: Callable[[str], str] | None = None) -> None:
     """Compose ``config_name`` with ``overrides`` once; a composition error exits 2 with
-    Hydra's message. Hydra's own flags (``--help``, ``-m`` ...) are left to Hydra."""
+    Hydra's message (through ``explain``, which may add what the program knows about it).
+    Hydra's own flags (``--help``, ``-m`` ...) are left to Hydra."""
     if _debugging() or any(a.startswith("-") for a in overrides):
         return
     from hydra import compose, initialize_config_dir
@@ -115,7 +117,8 @@ def check_overrides(config_name: str, overrides: Sequence[str], prog: str) -> No
             cfg = compose(config_name=config_name, overrides=mine)
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else None
-        fail(prog, _one_message(e, cause))
+        message = _one_message(e, cause)
+        fail(prog, explain(message) if explain else message)
     extra = unknown_keys(cfg)
     if extra:
         fail(prog, f"unknown key(s) {', '.join(extra)}: not settings of {prog} (see "
@@ -151,7 +154,9 @@ def _one_message(error: Exception, cause: Exception | None) -> str:
     return "\n  ".join(dict.fromkeys(keep))
 
 
-def prepare_argv(config_name: str, prog: str) -> None:
-    """Before ``hydra.main``: JSON values rewritten in ``sys.argv``, then the overrides checked."""
+def prepare_argv(config_name: str, prog: str,
+                 explain: Callable[[str], str] | None = None) -> None:
+    """Before ``hydra.main``: JSON values rewritten in ``sys.argv``, then the overrides checked
+    (``explain``: as ``check_overrides``)."""
     sys.argv[1:] = [json_override(a) for a in sys.argv[1:]]
-    check_overrides(config_name, sys.argv[1:], prog)
+    check_overrides(config_name, sys.argv[1:], prog, explain)

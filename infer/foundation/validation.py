@@ -119,14 +119,31 @@ def check_list(key: str, values: Any, where: str, *, item: Callable[..., Any],
         item(f"{key}[{i}]", value, where=where)
 
 
-def check_fields(obj: Any, prefix: str, rules: Mapping[str, Callable[..., Any]],
-                 where: str) -> None:
-    """Every field of the config dataclass ``obj`` through its rule, called as
+def setting(default: Any = dataclasses.MISSING, check: Callable[..., Any] | None = None, *,
+            factory: Callable[[], Any] | None = None, resume: bool = False) -> Any:
+    """A config dataclass field declared with its rule: ``check(key, value, where=...)`` is how
+    ``check_fields`` validates it, and ``resume`` says a resumed training run must have the same
+    value (train/checkpoint.py). One declaration per setting, so no table beside the class has
+    to be kept in step with it. ``factory``: a mutable default (``dataclasses.field``'s)."""
+    if check is None:
+        raise TypeError("setting(): every field needs its check")
+    meta = {"check": check, "resume": resume}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_fields(obj: Any, prefix: str, where: str) -> None:
+    """Every field of the config dataclass ``obj`` through its ``setting`` rule, called as
     ``rule(f"{prefix}.{name}", value, where=where)``. A field without a rule is a bug in the
     config class (its values would go unchecked until they fail deep in a run), so it raises."""
-    names = [f.name for f in dataclasses.fields(obj)]
-    missing = sorted(set(names) - set(rules))
-    if missing:
-        raise RuntimeError(f"{type(obj).__name__}: no validation rule for {missing}")
-    for name in names:
-        rules[name](f"{prefix}.{name}" if prefix else name, getattr(obj, name), where=where)
+    for f in dataclasses.fields(obj):
+        rule = f.metadata.get("check")
+        if rule is None:
+            raise RuntimeError(f"{type(obj).__name__}.{f.name}: no validation rule (setting())")
+        rule(f"{prefix}.{f.name}" if prefix else f.name, getattr(obj, f.name), where=where)
+
+
+def check_section(key: str, value: Any, where: str) -> None:
+    """The rule of a nested config section: its own fields, named ``key.field``."""
+    check_fields(value, key, where)

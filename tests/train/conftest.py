@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from train.config import TrainConfig
 from train.data import prepare_dataset
+from train.methods.base import METHODS
 from train.tiny.corpus import train_tokenizer
 from train.vocab import DraftVocab, build_draft_vocab
 
@@ -133,3 +135,22 @@ def own_continuations(target_dir: str, batches: list[dict], tokenizer):
     own = [{"input_ids": p + o, "loss_mask": [0] * len(p) + [1] * len(o)}
            for p, o in zip(prompts, base)]
     return prompts, params, base, collate(own, pad_token_id(tokenizer))
+
+
+def method_cfg(method: str, **settings) -> TrainConfig:
+    """A ``TrainConfig`` of ``method`` (its own drafter and objective settings classes, as
+    ``drafter=METHOD`` composes), each ``KEY=value`` set on whichever section has ``KEY``."""
+    drafter = METHODS.get(method)
+    cfg = TrainConfig(drafter=drafter(), objective=drafter.objective_config())
+    for key, value in settings.items():
+        section = cfg.drafter if hasattr(cfg.drafter, key) else cfg.objective
+        assert hasattr(section, key), f"{method} has no setting {key!r}"
+        setattr(section, key, value)
+    return cfg
+
+
+# each method's recipe on the embedded tiny target (the default recipe, tiny_eagle3, sets
+# EAGLE-3's keys, which another method's sections refuse)
+TINY_RECIPES = {"dflash": "tiny_dflash", "eagle": "tiny_eagle", "eagle3": "tiny_eagle3",
+                "mlp_speculator": "tiny_mlp", "mtp": "tiny_mtp", "pard": "tiny_pard",
+                "peagle": "tiny_peagle"}

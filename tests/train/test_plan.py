@@ -22,6 +22,7 @@ from train.objectives.base import OBJECTIVES
 from train.pipeline import run
 
 from ..infer.foundation.test_entry import assert_user_error, entry
+from .conftest import TINY_RECIPES
 from .test_config import compose_train
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -219,8 +220,8 @@ def test_planned_spec_is_the_objectives(train_data, method, extra):
     from train.frozen_target import FrozenTarget
 
     target = train_data.target_dir
-    cfg = cfg_of(f"drafter.method={method}", f"target.path={target}", "trainer.device=cpu",
-                 f"drafter.model={target}", *extra)
+    cfg = cfg_of(f"recipe={TINY_RECIPES[method]}", f"target.path={target}", "trainer.device=cpu",
+                 *([f"drafter.model={target}"] if method == "pard" else []), *extra)
     heads = FrozenTarget(target, "float32", "cpu").heads
     obj = OBJECTIVES.get(method)(cfg, heads, train_data.vocab, target)
     planned = OBJECTIVES.get(method).planned_feature_spec(cfg, heads.config)

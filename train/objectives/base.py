@@ -29,15 +29,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from infer.models.llama import ModelConfig
-from infer.models.output import FeatureSpec  # noqa: F401 (re-exported for the objectives)
 from infer.foundation.registry import Registry
 from infer.foundation.validation import StrChoice
+from infer.models.llama import ModelConfig
+from infer.models.output import FeatureSpec  # noqa: F401 (re-exported for the objectives)
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.vocab import DraftVocab
 
 OBJECTIVES: Registry[type["Objective"]] = Registry("train.objectives", "drafter.method",
                                                    "train config")
@@ -119,31 +123,32 @@ class Objective(nn.Module, ABC):
     """Base of every training objective (see the module doc).
 
     Subclasses set ``self.drafter`` in ``__init__`` and implement ``feature_spec``, ``forward``
-    and ``export``. ``cfg`` is the whole ``TrainConfig`` (its ``drafter`` and ``objective``
-    sections are the method's own); ``vocab`` is the ``DraftVocab`` of the training data.
+    and ``export``. ``cfg`` is the whole ``TrainConfig``: its ``drafter`` and ``objective``
+    sections are the method's own settings classes (train/methods/<name>.py), holding only what
+    the method reads; ``vocab`` is the ``DraftVocab`` of the training data.
     """
 
     name: ClassVar[str] = ""
 
-    def __init__(self, cfg: Any, heads: TargetHeads, vocab: Any, target_dir: str | Path):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__()
         self.cfg, self.vocab, self.target_dir = cfg, vocab, str(target_dir)
         object.__setattr__(self, "heads", heads)  # frozen, not a submodule
-        self.loss_kind = str(getattr(getattr(cfg, "objective", None), "loss", "kl"))
 
     def distill(self, logits: Tensor, target_logp: Tensor) -> Tensor:
         """``objective.loss`` per position between the draft's ``logits [..., V]`` and the
         target's ``target_logp [..., V]`` (train/objectives/losses.py)."""
         from train.objectives.losses import distill_loss
 
-        return distill_loss(self.loss_kind, logits, target_logp)
+        return distill_loss(str(self.cfg.objective.loss), logits, target_logp)
 
     @abstractmethod
     def feature_spec(self) -> FeatureSpec:
         """Which target features ``forward`` reads from the batch (``aux`` / ``hidden``)."""
 
     @classmethod
-    def planned_feature_spec(cls, cfg: Any, target: ModelConfig) -> FeatureSpec | None:
+    def planned_feature_spec(cls, cfg: TrainConfig, target: ModelConfig) -> FeatureSpec | None:
         """What ``feature_spec()`` will return for ``cfg`` on a target shaped ``target``, from
         the configs alone: ``plan=true`` (train/plan.py) sizes the features before any weight
         is read or drafter built. None: this method cannot tell (the plan says so)."""

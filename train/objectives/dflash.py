@@ -39,6 +39,7 @@ the draft rows, started as the target's rows, trained; ``d2t`` exported).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,11 @@ from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
 from train.objectives.eagle3 import full_vocab_argmax
 from train.objectives.pard import choose_mask_token
 from train.real.targets import verifier_name
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
 
 _WHERE = "train config"
 
@@ -130,7 +136,8 @@ def _aux_ids(d, target, init_ids: list[int] | None) -> list[int]:
 class DFlashObjective(Objective):
     """DFlash block drafter + same-position block loss (module doc)."""
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         d, o, target = cfg.drafter, cfg.objective, heads.config
         init = DFlashDrafter.from_pretrained(d.init_from) if d.init_from else None

@@ -17,6 +17,7 @@ exported checkpoint holds only ``fc`` and the decoder layer (vLLM's ``EagleLlama
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,11 @@ from infer.foundation.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.ttt import TTTObjective
 
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
+
 _WHERE = "train config"
 
 
@@ -36,7 +42,8 @@ _WHERE = "train config"
 class EagleObjective(TTTObjective):
     """EAGLE-1 head + TTT unroll (module doc); ``self.drafter`` is an ``EagleDrafter``."""
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         o = cfg.objective
         self.regression_weight, self.ce_weight = float(o.regression_weight), float(o.ce_weight)

@@ -29,6 +29,7 @@ speculators checkpoint vLLM loads.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +40,16 @@ from infer.foundation.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.foundation.validation import config_error
-from train.config import LmHeadInit
+from train.choices import LmHeadInit
 from train.objectives.base import OBJECTIVES, FeatureSpec, from_end, last_layer_state
 from train.objectives.ttt import TTTObjective
 from train.real.targets import verifier_name
 from train.vocab import DraftVocab
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
 
 _WHERE = "train config"
 DEFAULT_SPECULATIVE_TOKENS = 3  # vLLM's usual chain length; never more than the steps trained
@@ -94,7 +100,8 @@ def init_aux_layer_ids(init_from: str | None) -> list[int] | None:
 class Eagle3Objective(TTTObjective):
     """EAGLE-3 head + TTT unroll (module doc); ``self.drafter`` is an ``Eagle3Drafter``."""
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         d = cfg.drafter
         init = Eagle3Drafter.from_pretrained(d.init_from) if d.init_from else None

@@ -3,6 +3,11 @@ target's last hidden state.
 
 Alignment (the one rule everything below follows): head ``i`` (0-based) at position ``t`` starts
 from ``s_0 = hidden_t`` (the target state that predicts token ``t + 1``), consumes the ground-truth
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
 tokens ``t + 1 .. t + 1 + i`` (one per stage) and predicts token ``t + 2 + i``. In serving, the
 same head sees the target's state behind the pending token and the pending token itself, then its
 own drafts, so head ``i`` is draft ``i + 1`` after the token the target has already emitted.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +40,11 @@ from train.config import validate_section
 from train.objectives.base import (OBJECTIVES, FeatureSpec, LossOutput, Objective, Stage,
                                    StageData)
 from train.objectives.losses import expected_acceptance, masked_mean
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
 
 _WHERE = "train config"
 
@@ -81,7 +92,8 @@ class MLPSpeculatorObjective(Objective):
     ``objective.kd_weight``.
     """
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         validate_section("objective", cfg.objective)  # kd_weight, the stage-2 settings ...
         d = cfg.drafter

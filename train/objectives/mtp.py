@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +40,18 @@ from train.objectives.base import OBJECTIVES, FeatureSpec, last_layer_state
 from train.objectives.ttt import TTTObjective, shift_left
 from train.stitch import write_stitched
 
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
+
 
 @OBJECTIVES.register("mtp")
 class MTPObjective(TTTObjective):
     """The target's MTP layer + TTT unroll (module doc); ``self.drafter`` is an ``MTPDrafter``."""
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         source = cfg.drafter.init_from or target_dir
         if num_mtp_layers(read_json(Path(source) / "config.json")):

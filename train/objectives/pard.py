@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,11 @@ from infer.foundation.validation import config_error
 from train.config import validate_section
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective
 from train.objectives.losses import expected_acceptance, masked_mean
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
 
 _WHERE = "train config"
 
@@ -151,7 +157,8 @@ class PardObjective(Objective):
     directory) as a parallel drafter; see the module doc. ``objective.pard_k``, ``cod_ratio``,
     ``cod_min``, ``kd_weight`` (KL to the target's next-token distribution, on top of the CE)."""
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         o = cfg.objective
         validate_section("objective", o)  # pard_k, cod_ratio, cod_min, kd_weight ...

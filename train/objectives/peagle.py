@@ -30,7 +30,7 @@ Settings: EAGLE-3's drafter keys (aux ids, norms, ``lm_head_init``), ``drafter.m
 (None: ``choose_mask_token``, an id never seen as a target), ``drafter.init_from`` (an eagle3 or
 peagle export); ``objective.parallel_depths``, ``cod_ratio``, ``cod_min``, ``max_anchors``,
 ``feature_noise``. The embedding is always the drafter's own (copied from the target, trained,
-shipped): the mask token's row must be learned, whatever ``drafter.embed_requires_grad`` says.
+shipped): the mask token's row must be learned, so P-EAGLE has no ``embed_requires_grad``.
 Export: the speculators peagle checkpoint (``infer/drafters/peagle.py``) with
 ``speculative_tokens`` = ``parallel_depths``.
 """
@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -56,6 +57,11 @@ from train.objectives.eagle3 import (Eagle3Objective, init_aux_layer_ids, load_i
 from train.objectives.losses import masked_mean
 from train.objectives.pard import chain_accuracy, choose_mask_token, cod_selection, copy_layout
 from train.objectives.ttt import shift_left
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
 
 
 @dataclass
@@ -95,15 +101,16 @@ def peagle_rows(batch: dict[str, Tensor], k: int, mask_id: int,
 class PEagleObjective(Eagle3Objective):
     """EAGLE-3's head construction, targets and export; its own one-forward layout and loss."""
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         d, o = cfg.drafter, cfg.objective
         init, init_mask = load_peagle_init(d.init_from)
         ids = d.aux_layer_ids
         if ids is None and init is not None:
             ids = init.config.eagle_aux_hidden_state_layer_ids
         # EAGLE-3's init without init_from (applied below, mask_hidden aside), own embedding
-        base_cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(
-            d, init_from=None, aux_layer_ids=ids, embed_requires_grad=True))
+        base_cfg = dataclasses.replace(cfg, drafter=d.as_eagle3(
+            init_from=None, aux_layer_ids=ids, embed_requires_grad=True), objective=o.as_eagle3())
         super().__init__(base_cfg, heads, vocab, target_dir)
         self.cfg = cfg
         self.depths = int(o.parallel_depths)

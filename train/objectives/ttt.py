@@ -37,7 +37,8 @@ the chance a greedy chain accepts ``s + 1`` drafts), ``cond_acc_s`` (right at ``
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import Tensor
@@ -47,6 +48,11 @@ from train.config import validate_section
 from train.objectives.losses import dpace_weights
 from train.data import document_attention_mask
 from train.objectives.base import LossOutput, Objective
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+    from train.objectives.base import TargetHeads
+    from train.vocab import DraftVocab
 
 
 def ttt_attention_mask(doc_ids: Tensor, step: int) -> Tensor:
@@ -136,7 +142,8 @@ class TTTObjective(Objective):
     subclass says what the step-0 hidden input is (``features``), what it is compared with
     (``targets``, computed once without grad) and the per-position loss (``step_loss``)."""
 
-    def __init__(self, cfg, heads, vocab, target_dir):
+    def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
+                 target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         o = cfg.objective
         validate_section("objective", o)  # ttt_steps, step_weight, feature_noise, weights ...

@@ -19,21 +19,14 @@ from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.dflash import (anchor_candidates, block_mask, sample_anchors, slot_metrics,
                                      slot_targets)
-from ..conftest import adam_steps, feature_batches
+from ..conftest import adam_steps, feature_batches, method_cfg
 
 T_, F_ = True, False
 BLOCK = 4
 
 
 def make_cfg(**overrides) -> TrainConfig:
-    cfg = TrainConfig()
-    cfg.drafter.method = "dflash"
-    cfg.drafter.num_layers = 2
-    cfg.objective.block_size = BLOCK
-    for key, value in overrides.items():
-        section = cfg.drafter if hasattr(cfg.drafter, key) else cfg.objective
-        setattr(section, key, value)
-    return cfg
+    return method_cfg("dflash", **{"num_layers": 2, "block_size": BLOCK, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.ttt import (StepStats, shift_left, step_valid, target_rows,
                                   ttt_attention_mask)
-from ..conftest import adam_steps, feature_batches
+from ..conftest import adam_steps, feature_batches, method_cfg
 
 T_, F_ = True, False
 
@@ -31,14 +31,8 @@ T_, F_ = True, False
 
 def make_cfg(method: str, **overrides) -> TrainConfig:
     """A TrainConfig with ``drafter.X`` / ``objective.X`` overrides given as ``X=value``."""
-    cfg = TrainConfig()
-    cfg.drafter.method = method
-    cfg.objective.ttt_steps = 3
-    for key, value in overrides.items():
-        section = cfg.drafter if hasattr(cfg.drafter, key) else cfg.objective
-        assert hasattr(section, key), key
-        setattr(section, key, value)
-    return cfg
+    settings = {"ttt_steps": 3} if method != "peagle" else {}
+    return method_cfg(method, **{**settings, **overrides})
 
 
 def make_env(train_data):

@@ -10,12 +10,11 @@ import torch.nn.functional as F
 from infer import LLM
 from infer.drafters.mlp_speculator import MLPSpeculator
 from infer.models.loader import load_model
-from train.config import TrainConfig
 from train.features import capture
 from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.mlp_speculator import MLPSpeculatorObjective, shifted_targets
-from ..conftest import adam_steps, feature_batches, own_continuations
+from ..conftest import adam_steps, feature_batches, own_continuations, method_cfg
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +29,7 @@ def batches(train_data, target):
 
 
 def make(train_target, target, vocab, **drafter):
-    cfg = TrainConfig()
-    cfg.drafter.method = "mlp_speculator"
-    kd = drafter.pop("kd_weight", 0.0)
-    cfg.objective.kd_weight = kd
-    for key, value in {"n_predict": 3, "inner_dim": 32, **drafter}.items():
-        setattr(cfg.drafter, key, value)
+    cfg = method_cfg("mlp_speculator", **{"n_predict": 3, "inner_dim": 32, **drafter})
     torch.manual_seed(0)
     return OBJECTIVES.get("mlp_speculator")(cfg, target_heads(target), vocab, train_target)
 

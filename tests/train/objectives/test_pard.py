@@ -13,13 +13,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from infer import LLM
 from infer.models.loader import load_config, load_model
-from train.config import TrainConfig
 from train.frozen_target import target_heads
 from train.objectives.base import OBJECTIVES, FeatureSpec
 from train.objectives.pard import (PardObjective, chain_accuracy, choose_mask_token, cod_selection,
                                    pard_batch)
 from train.vocab import DraftVocab
-from ..conftest import adam_steps, feature_batches, own_continuations
+from ..conftest import adam_steps, feature_batches, own_continuations, method_cfg
 
 M = 99  # mask id in the layout tests
 
@@ -54,11 +53,7 @@ def batches(train_data, target):
 
 
 def make(train_target, target, vocab, model, k=3, **settings):
-    cfg = TrainConfig()
-    cfg.drafter.method, cfg.drafter.model, cfg.objective.pard_k = "pard", model, k
-    for key, value in settings.items():
-        section = cfg.drafter if hasattr(cfg.drafter, key) else cfg.objective
-        setattr(section, key, value)
+    cfg = method_cfg("pard", model=model, pard_k=k, **settings)
     return OBJECTIVES.get("pard")(cfg, target_heads(target), vocab, train_target)
 
 
