@@ -11,34 +11,39 @@ Continuous batching: requests occupy KV-cache slots; finished ones free their sl
 waiting ones take free slots at the next step. On eager steps their prompts ride in that step's
 verify forward, each as a group of its own (``Llama.forward_groups``: vLLM's flattened batch of
 prefill chunks and decodes), or, when nothing runs, go in one forward of their own, unpadded.
+
+``LLM`` keeps the public API and wires three parts, each readable on its own: the scheduler
+(``infer/scheduler.py``: slots, admission, aborts), the model runner (``infer/runner.py``: the
+prefill, verify and tree-verify forwards, CUDA-graph steps) and the step's verification strategy
+(``infer/spec_step.py``: chain or tree).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, ContextManager, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from infer.draft_tree import along_path, settle_path, tree_inputs
 from infer.engine_checks import (check_engine_args, check_loaded, check_memory_budget,
                                   kv_cache_bytes)
-from infer.graphs import StaticForward
-from infer.kv_cache import KVCache, cache_rows
+from infer.foundation.threads import GOVERNOR
+from infer.foundation.validation import check_int
+from infer.kv_cache import KVCache
 from infer.metrics import SpecMetrics
-from infer.models.groups import ForwardGroup
 from infer.models.output import FeatureSpec, ModelOutput, pad_outputs
 from infer.proposers.base import (proposer_class, Proposal, Proposer, ProposerContext,
                                   VerifiedStep)
-from infer.request import Request, RequestOutput, make_requests, prefill_groups, request_output
+from infer.request import (Request, RequestOutput, make_requests, mask_early_stops,
+                           request_output)
+from infer.runner import ModelRunner, measure
 from infer.sampling import SamplingParams
+from infer.scheduler import Scheduler
 from infer.spec_config import SpeculativeConfig
+from infer.spec_step import StepRows, strategy_for
 from infer.step import StepPlan, plan_step
 from infer.target import Target
-from infer.foundation.threads import GOVERNOR
-from infer.timing import EngineTimers, Timer
-from infer.foundation.validation import check_int
+from infer.timing import EngineTimers
 
 _WHERE = "LLM"
 
@@ -75,7 +80,6 @@ class LLM:
         if self.device.type == "cpu":
             GOVERNOR.start(num_threads)  # steady beside other processes (foundation/threads.py)
         self.enforce_eager, self.gpu_memory_utilization = enforce_eager, gpu_memory_utilization
-        self.timers: EngineTimers | None = None
         kv_dtype, cfg = self.target.dtype, self.target.model.config
         cache_len = self.max_model_len + (self.spec.tree_columns if self.spec else 0)
         self._check_memory(kv_cache_bytes(cfg, max_num_seqs, cache_len, kv_dtype))
@@ -86,14 +90,10 @@ class LLM:
         self._check_memory()  # the proposer's weights and caches are allocated now
         # what the proposer reads from the target's forwards (EAGLE heads: aux streams)
         self.features = self.proposer.feature_spec() if self.proposer else FeatureSpec()
-        # steps in fixed shapes, captured as CUDA graphs; None: the plain forward (CPU, eager)
-        self.static_forward = None
-        if self._static_steps:
-            self.static_forward = StaticForward(self.target.model, self.cache,
-                                                aux_layer_ids=self.features.aux_layer_ids)
+        self.runner = ModelRunner(self.target, self.cache, self.features,
+                                  static=self._static_steps, grouped=self._groups_prompts)
+        self.scheduler = Scheduler(max_num_seqs)
         self.metrics = SpecMetrics()
-        self._running: list[Request] = []  # in KV-cache slots, sorted by slot
-        self._waiting: list[Request] = []  # queued, in arrival order
 
     @property
     def device(self) -> torch.device:
@@ -161,9 +161,10 @@ class LLM:
             raise RuntimeError("generate: requests added with add_request are still running; "
                                "step() them to the end first")
         requests = make_requests(prompts, sampling_params, self.target)
-        self._waiting = [r for r in requests if not r.finished]
+        for r in requests:
+            self.scheduler.add(r)
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req")
-        bar.update(len(requests) - len(self._waiting))
+        bar.update(len(requests) - self.num_waiting)
         try:
             while self.has_unfinished_requests():
                 bar.update(self.step())
@@ -181,27 +182,24 @@ class LLM:
         """Queue a request built by :func:`~infer.request.make_request` (a refused one is
         not queued: it is finished already). It joins the running batch at the next
         :meth:`step` with a free slot, in arrival order."""
-        if not request.finished:
-            self._waiting.append(request)
+        self.scheduler.add(request)
 
     def abort_request(self, request: Request) -> None:
         """Drop a waiting request, or finish a running one now ("abort") and free its KV slot
         and proposer state; the batch's other requests are not touched."""
-        self._waiting = [r for r in self._waiting if r is not request]
-        if not request.finished:
-            request.finish_reason = "abort"
+        self.scheduler.abort(request)
         self._retire()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_unfinished
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
     def step(self) -> int:
         """:meth:`admit` then :meth:`decode`; returns how many requests finished."""
@@ -210,21 +208,24 @@ class LLM:
     def admit(self) -> int:
         """Prefill waiting requests into free slots (again while some finish at their first
         token); returns how many finished; the server hands their first tokens out before the
-        next :meth:`decode`. While requests run on eager steps, :meth:`decode` takes them into
-        its verify forward instead (:attr:`_grouped`): time to first token is that step's."""
-        if self._grouped and self._running:
+        next :meth:`decode`. While requests run on grouped (eager) steps, nothing is prefilled
+        here: :meth:`decode` takes waiting prompts into its verify forward, so their time to
+        first token is that step's and a prompt costs no forward of its own."""
+        if self.runner.grouped and self.scheduler.running:
             return 0
         finished = 0
         while True:
-            self._waiting = self._admit(self._waiting)
+            for batch in self.runner.prefill_batches(self.scheduler.take()):
+                with torch.inference_mode():
+                    self._start(batch, self.runner.prefill(batch))
             done = self._retire()  # finished at their first token: never stepped
             finished += done
-            if not (done and self._waiting):
+            if not (done and self.scheduler.waiting):
                 return finished  # else their slots are free again: admit more first
 
     def decode(self) -> int:
         """One :meth:`speculative_step` over the running batch; returns how many finished."""
-        if not self._running:
+        if not self.scheduler.running:
             return 0
         if self.device.type == "cpu":
             GOVERNOR.tick()  # resize torch's team to the cores left free
@@ -236,18 +237,27 @@ class LLM:
         return self.metrics.as_dict()
 
     @property
+    def timers(self) -> EngineTimers | None:
+        """Set an :class:`~infer.timing.EngineTimers` to have every step timed."""
+        return self.runner.timers
+
+    @timers.setter
+    def timers(self, timers: EngineTimers | None) -> None:
+        self.runner.timers = timers
+
+    @property
     def _static_steps(self) -> bool:
         """Steps in fixed shapes (infer/graphs.py), captured as CUDA graphs: on CUDA unless
         enforce_eager (CPU tests turn it on to run the same path eagerly)."""
         return self.device.type == "cuda" and not self.enforce_eager
 
     @property
-    def _grouped(self) -> bool:
+    def _groups_prompts(self) -> bool:
         """Eager steps without draft trees prefill prompts unpadded (``Llama.forward_groups``),
         inside the verify forward while requests run: a speculative batch's rows finish at
         different steps, so prompts arrive one or two at a time and would cost a forward each.
         Fixed-shape (CUDA graph) steps prefill apart, in padded groups (``prefill_groups``)."""
-        return self.static_forward is None and not (self.spec and self.spec.draft_tree_siblings)
+        return not self._static_steps and not (self.spec and self.spec.draft_tree_siblings)
 
     @property
     def k(self) -> int:
@@ -257,68 +267,25 @@ class LLM:
 
     @torch.inference_mode()  # no autograd bookkeeping at all: ~10% off a small CPU step
     def speculative_step(self) -> None:
-        """Draft k -> one target forward -> rejection sampling -> advance or roll back caches."""
-        with _measure(self.timers and self.timers.step):
-            reqs = self._running
+        """Draft k -> one target forward -> verification -> advance or roll back caches."""
+        with measure(self.timers and self.timers.step):
+            reqs = self.scheduler.running
             # waiting prompts into free slots, prefilled inside this step's verify forward
-            new = self._take(self._waiting) if self._grouped and self._waiting else []
-            slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
-            pending = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)  # [B]
+            new = self.scheduler.take() if self.runner.grouped and self.scheduler.waiting else []
+            rows = StepRows(reqs, torch.tensor([r.slot for r in reqs], device=self.device),
+                            torch.tensor([r.tokens[-1] for r in reqs], device=self.device),
+                            self.eos_ids)  # [B] each
             # host -> device copies above, before the proposer queues GPU work they would wait for
             plan = plan_step(reqs, self.spec, self.generator, self.device)
             proposal = self._propose(reqs, plan)
-            if proposal.sibling_ids is not None and plan.argmax:
-                return self._tree_step(reqs, slots, pending, proposal)  # chain + sibling leaves
-            num_drafted = (proposal.draft_ids >= 0).sum(dim=1)  # [B]
-            inputs = torch.cat([pending[:, None], proposal.draft_ids.clamp_min(0)],
-                               dim=1)  # [B, k + 1]
-            out, prompts = self._verify(inputs, reqs, slots, 1 + num_drafted, new)
-            tokens = plan.verify(self._suppress_early_eos(out.logits, reqs), proposal)
-            rows, drafted = tokens.tolist(), num_drafted.tolist()  # the step's one host sync
-            accepted = [sum(t >= 0 for t in row) - 1 for row in rows]
-            new_lens = [len(r.tokens) + a for r, a in zip(reqs, accepted)]  # pending + accepted
-            self.cache.truncate(slots, torch.tensor(new_lens, device=self.device))
-            new_tokens = [self._accept(r, row[: a + 1], n, a)
-                          for r, row, n, a in zip(reqs, rows, drafted, accepted)]
+            verified = strategy_for(proposal, plan)(self.runner, rows, proposal, plan, new)
+            new_tokens = [self._accept(r, e, n, a) for r, e, n, a in zip(
+                reqs, verified.emitted, verified.drafted, verified.accepted)]
             if self.proposer is not None:
-                self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted, new_tokens,
-                                                   out))
+                self.proposer.observe(VerifiedStep([r.slot for r in reqs], verified.accepted,
+                                                   new_tokens, verified.out))
             if new:
-                self._start(new, pad_outputs(prompts))
-
-    def _tree_step(self, reqs: list[Request], slots: torch.Tensor, pending: torch.Tensor,
-                   proposal: Proposal) -> None:
-        """A greedy step over a chain with sibling leaves (infer/draft_tree.py): one verify
-        forward over the tree, the greedy walk, the accepted path moved into place."""
-        tree, inputs, num_drafted = tree_inputs(pending, proposal.draft_ids, proposal.sibling_ids)
-        with _measure(self.timers and self.timers.verify, rows=inputs.shape[0]):
-            out = self.target.model(inputs, self.cache, cache_rows([r.slot for r in reqs], slots),
-                                    num_tokens=1 + num_drafted * (1 + tree.siblings),
-                                    aux_layer_ids=self.features.aux_layer_ids, tree=tree)
-        best = self._suppress_early_eos(out.logits, reqs, tree.depths()).argmax(-1)  # [B, T]
-        emitted, path, accepted = tree.walk(inputs, best, num_drafted)  # [B, k + 1] x 2, [B]
-        settle_path(self.cache, slots, [len(r.tokens) - 1 for r in reqs], path, accepted)
-        new_tokens = [self._accept(r, row[: a + 1], n, a) for r, row, n, a in
-                      zip(reqs, emitted.tolist(), num_drafted.tolist(), accepted.tolist())]
-        self.proposer.observe(VerifiedStep([r.slot for r in reqs], accepted.tolist(), new_tokens,
-                                           along_path(out, path)))
-
-    def _verify(self, inputs: torch.Tensor, reqs: list[Request], slots: torch.Tensor,
-                num_tokens: torch.Tensor, new: list[Request]
-                ) -> tuple[ModelOutput, list[ModelOutput]]:
-        """The step's one target forward over ``inputs [B, k + 1]`` (``num_tokens [B]`` real)
-        and the prompts of ``new`` requests (one output each; see :attr:`_grouped`)."""
-        with _measure(self.timers and self.timers.verify, rows=inputs.shape[0]):
-            if self.static_forward is not None:
-                longest = max(len(r.tokens) for r in reqs) + inputs.shape[1] - 1  # cache + step
-                return self.static_forward(inputs, slots=[r.slot for r in reqs], index=slots,
-                                           num_tokens=num_tokens, max_len=longest), []
-            rows = cache_rows([r.slot for r in reqs], slots)  # in order: views, no gather
-            groups = [ForwardGroup(inputs, rows, num_tokens)]
-            groups += self._prompt_groups(new) if new else []
-            outs = self.target.model.forward_groups(groups, self.cache,
-                                                    aux_layer_ids=self.features.aux_layer_ids)
-            return outs[0], outs[1:]
+                self._start(new, pad_outputs(verified.prompts))
 
     def _accept(self, req: Request, emitted: list[int], drafted: int, accepted: int) -> list[int]:
         """Append a request's emitted tokens (stop-aware) and record its metrics."""
@@ -339,109 +306,35 @@ class LLM:
         batch = plan.draft_batch(reqs)
         limits = torch.tensor([r.draft_limit(plan.k, self.max_model_len) for r in reqs],
                               device=self.device)  # [B], copied before the drafts are queued
-        with _measure(self.timers and self.timers.draft):
+        with measure(self.timers and self.timers.draft):
             proposal = self.proposer.propose(batch)
         width = proposal.draft_ids.shape[1]
         over = torch.arange(width, device=self.device)[None, :] >= limits[:, None]  # [B, w]
         proposal.draft_ids = proposal.draft_ids.masked_fill(over, -1)
         return proposal
 
-    def _suppress_early_eos(self, logits: torch.Tensor, reqs: list[Request],
-                            depths: torch.Tensor | None = None) -> torch.Tensor:
-        """min_tokens: a request's stop tokens (EOS unless ignore_eos, and its stop_token_ids, as
-        in vLLM) get -inf at output positions (``depths [T]``, else 0 .. T-1) before min_tokens."""
-        need = [r.params.min_tokens - r.num_output for r in reqs]
-        if max(need) <= 0:
-            return logits
-        vocab = logits.shape[-1]
-        stops = torch.zeros(len(reqs), vocab, dtype=torch.bool)  # [B, vocab]
-        for row, r in enumerate(reqs):
-            ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
-            stops[row, [t for t in ids if t < vocab]] = True
-        positions = torch.arange(logits.shape[1]) if depths is None else depths  # [T] on CPU
-        early = positions[None, :] < torch.tensor(need)[:, None]  # [B, T]
-        block = (early[:, :, None] & stops[:, None, :]).to(logits.device)  # [B, T, vocab]
-        return logits.masked_fill(block, float("-inf"))
-
-    # ---- scheduling ------------------------------------------------------------------------------
-
-    def _take(self, waiting: list[Request]) -> list[Request]:
-        """Waiting requests moved (in place) into free slots, in arrival order."""
-        free = sorted(set(range(self.max_num_seqs)) - {r.slot for r in self._running})
-        taken = waiting[: len(free)]
-        del waiting[: len(free)]
-        for req, slot in zip(taken, free):
-            req.slot = slot
-        return taken
-
-    def _admit(self, waiting: list[Request]) -> list[Request]:
-        """Prefill waiting requests into free slots; returns those still waiting."""
-        admitted = self._take(waiting)
-        if self._grouped and admitted:
-            self._prefill(admitted)  # one forward, unpadded
-            return waiting
-        # a forward's fixed cost in padded tokens: a weight read against one token's FLOPs
-        # (~300 on an H100 in bf16; ~50 on 2 CPU cores in fp32, Python included)
-        call_cost = 256 if self.device.type == "cuda" else 64
-        for group in prefill_groups([len(r.prompt_ids) for r in admitted], call_cost):
-            self._prefill([admitted[i] for i in group])  # similar lengths: little padding
-        return waiting
-
-    @torch.inference_mode()
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Run prompts through the target and start them (:meth:`_start`)."""
-        with _measure(self.timers and self.timers.prefill):
-            if self._grouped:
-                out = pad_outputs(self.target.model.forward_groups(
-                    self._prompt_groups(reqs), self.cache,
-                    aux_layer_ids=self.features.aux_layer_ids))
-            else:
-                out = self._prefill_forward(reqs)
-            self._start(reqs, out)
-
     def _start(self, reqs: list[Request], out: ModelOutput) -> None:
         """Prefilled requests (``out``: logits ``[B, 1, vocab]``, states right-padded) sample
         their first tokens and join the running batch."""
         plan = plan_step(reqs, self.spec, self.generator, self.device, drafting=False)
         empty = torch.empty(len(reqs), 0, dtype=torch.long, device=self.device)
-        first = plan.verify(self._suppress_early_eos(out.logits, reqs), Proposal(empty))
+        first = plan.verify(mask_early_stops(out.logits, reqs, self.eos_ids), Proposal(empty))
         first = first[:, 0].tolist()  # no drafts: sampled from p itself
         for req, tok in zip(reqs, first):
             req.append([tok], self.eos_ids, self.max_model_len)
             if self.proposer is not None:
                 self.proposer.start(req.slot, req.prompt_ids)
-            self._running.append(req)
         if self.proposer is not None:
             self.proposer.prefilled([r.slot for r in reqs], [len(r.prompt_ids) for r in reqs],
                                     out)
-        self._running.sort(key=lambda r: r.slot)  # rows 0 .. B-1 in order read cache views
-
-    def _prompt_groups(self, reqs: list[Request]) -> list[ForwardGroup]:
-        """Each request's prompt as a group of its own (fresh cache row, the last logits)."""
-        self.cache.reset(torch.tensor([r.slot for r in reqs], device=self.device))
-        return [ForwardGroup.last_of(torch.tensor([r.prompt_ids], device=self.device), r.slot)
-                for r in reqs]
-
-    def _prefill_forward(self, reqs: list[Request]) -> ModelOutput:
-        """The prompts as one right-padded ragged forward into freshly reset cache rows."""
-        lens = [len(r.prompt_ids) for r in reqs]
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        self.cache.reset(slots)
-        ids = torch.zeros(len(reqs), max(lens), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
-        n = torch.tensor(lens, device=self.device)
-        return self.target.model(ids.to(self.device), self.cache, cache_rows(
-            [r.slot for r in reqs], slots), num_tokens=n, logits_at=(n - 1)[:, None],
-            aux_layer_ids=self.features.aux_layer_ids)
+        self.scheduler.join(reqs)
 
     def _retire(self) -> int:
-        """Free the slots of finished requests; returns how many finished."""
-        done = [r for r in self._running if r.finished]
-        for req in done:
-            if self.proposer is not None:
+        """Free the slots (and proposer state) of finished requests; returns how many."""
+        done = self.scheduler.retire()
+        if self.proposer is not None:
+            for req in done:
                 self.proposer.finish(req.slot)
-        self._running = [r for r in self._running if not r.finished]
         return len(done)
 
     def _make_proposer(self) -> Proposer | None:
@@ -452,8 +345,3 @@ class LLM:
                               self.max_num_seqs, self.max_model_len, cfg.vocab_size,
                               self._static_steps)
         return proposer_class(self.spec)(self.spec, ctx)
-
-
-def _measure(timer: Timer | None, rows: int = 0) -> ContextManager:
-    """``timer.measure(rows)``, or nothing when the engine is not being timed."""
-    return timer.measure(rows) if timer is not None else nullcontext()

@@ -300,3 +300,22 @@ def _normalise_params(params: Any, n: int) -> list[Any]:
         raise GenerateError(f"generate: got {len(params)} sampling params for {n} prompts; "
                             "expected one for all prompts or one per prompt")
     return list(params)
+
+
+def mask_early_stops(logits: torch.Tensor, reqs: list[Request], eos_ids: frozenset[int],
+                     depths: torch.Tensor | None = None) -> torch.Tensor:
+    """min_tokens: a request's stop tokens (EOS unless ignore_eos, and its stop_token_ids, as in
+    vLLM) get -inf in ``logits [B, T, vocab]`` at output positions (``depths [T]``, else
+    0 .. T-1) before min_tokens; ``logits`` itself when no request needs it."""
+    need = [r.params.min_tokens - r.num_output for r in reqs]
+    if max(need) <= 0:
+        return logits
+    vocab = logits.shape[-1]
+    stops = torch.zeros(len(reqs), vocab, dtype=torch.bool)  # [B, vocab]
+    for row, r in enumerate(reqs):
+        ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else eos_ids)
+        stops[row, [t for t in ids if t < vocab]] = True
+    positions = torch.arange(logits.shape[1]) if depths is None else depths  # [T] on CPU
+    early = positions[None, :] < torch.tensor(need)[:, None]  # [B, T]
+    block = (early[:, :, None] & stops[:, None, :]).to(logits.device)  # [B, T, vocab]
+    return logits.masked_fill(block, float("-inf"))

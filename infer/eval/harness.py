@@ -133,7 +133,7 @@ def warm_up(llm: LLM, prompts: list, params: SamplingParams) -> None:
     """Keep first-call costs out of a timed run: a 2-token request (allocations barely touch the
     caches), or on CUDA the whole run once, so every CUDA graph it needs is captured first. The
     warm-up's outputs are then forgotten (``Proposer.reset``), so they feed no timed draft."""
-    if llm.static_forward is not None:
+    if llm.runner.static_forward is not None:
         llm.generate(prompts, params)
     else:
         llm.generate(prompts[:1], SamplingParams(temperature=params.temperature, max_tokens=2,

@@ -41,7 +41,8 @@ def test_graph_steps_equal_eager_steps(tiny_target, tiny_draft, name):
     assert runs[False][0] == runs[True][0]
     assert runs[False][1] == runs[True][1]
     llm = runs[False][2]
-    runners = [llm.static_forward] + ([llm.proposer.static] if name == "draft_model" else [])
+    runners = [llm.runner.static_forward] + ([llm.proposer.static]
+                                            if name == "draft_model" else [])
     for runner in runners:  # the target's verify steps and the draft model's one-token steps
         assert runner.graphs and all(g.graph is not None for g in runner.graphs.values())
 
@@ -56,7 +57,7 @@ def test_graph_step_does_not_sync(tiny_target):
 
     def step():  # as the engine calls it: inside inference mode, where its buffers were made
         with torch.inference_mode():
-            return llm.static_forward(ids, slots=[2, 0], index=index, max_len=16)
+            return llm.runner.static_forward(ids, slots=[2, 0], index=index, max_len=16)
 
     step()  # captures this shape (capture itself synchronises)
     torch.cuda.synchronize()
@@ -73,7 +74,7 @@ def test_bf16_serving_with_graphs(tiny_target):
     llm = LLM(tiny_target, speculative_config=spec, device="cuda", dtype="bfloat16")
     out = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.8, max_tokens=16, seed=3))
     assert all(len(o.token_ids) == 16 for o in out)
-    assert llm.cache.k.dtype == torch.bfloat16 and llm.static_forward.graphs
+    assert llm.cache.k.dtype == torch.bfloat16 and llm.runner.static_forward.graphs
 
 
 def test_gpu_memory_utilization_bounds_the_cache(tiny_target):

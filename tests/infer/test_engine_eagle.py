@@ -116,7 +116,7 @@ def test_static_steps_equal_plain_steps(target4, heads, method, head, monkeypatc
     got = static.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert static.get_metrics() == plain.get_metrics()
-    assert static.static_forward.graphs and static.proposer.static.graphs
+    assert static.runner.static_forward.graphs and static.proposer.static.graphs
 
 
 @pytest.mark.cuda

@@ -194,12 +194,12 @@ def test_continuous_batching(case, proposer):
     running, after, step = [], [], llm.speculative_step
 
     def spy():
-        running.append(sorted(r.slot for r in llm._running))
+        running.append(sorted(r.slot for r in llm.scheduler.running))
         waiting = llm.num_waiting
-        assert not any(r.finished for r in llm._running), "a finished request was stepped"
+        assert not any(r.finished for r in llm.scheduler.running), "a finished request was stepped"
         step()
         # requests admitted inside the step (eager steps prefill them in its verify forward)
-        after.append((waiting, sorted(r.slot for r in llm._running)))
+        after.append((waiting, sorted(r.slot for r in llm.scheduler.running)))
 
     llm.speculative_step = spy
     outs = llm.generate(prompts, [greedy(m) for m in max_tokens])
@@ -219,7 +219,7 @@ def test_continuous_batching(case, proposer):
 class _PrefillApart(LLM):
     """The engine with every prompt prefilled in a forward of its own, before the step."""
 
-    _grouped = property(lambda self: False)
+    _groups_prompts = property(lambda self: False)
 
 
 @pytest.mark.parametrize("proposer", [None, "twin", "pard", "suffix"])
@@ -233,7 +233,7 @@ def test_waiting_prompts_are_prefilled_inside_the_running_batchs_verify(case, pr
     params = [greedy(m) for m in [5, 12, 1, 9, 3, 7]]
     llm = LLM(target, speculative_config=spec, dtype="float32", max_num_seqs=2)
     inside, apart = [], []
-    verify, prefill = llm._verify, llm._prefill
+    verify, prefill = llm.runner.verify, llm.runner.prefill
 
     def spy_verify(inputs, reqs, slots, num_tokens, new):
         inside.extend(len(r.prompt_ids) for r in new)
@@ -242,7 +242,7 @@ def test_waiting_prompts_are_prefilled_inside_the_running_batchs_verify(case, pr
     def spy_prefill(reqs):
         apart.append([len(r.prompt_ids) for r in reqs])
         return prefill(reqs)
-    llm._verify, llm._prefill = spy_verify, spy_prefill
+    llm.runner.verify, llm.runner.prefill = spy_verify, spy_prefill
     outs = llm.generate(prompts, params)
     alone = [reference(target, [p], 12)[0] for p in prompts]
     assert token_ids(outs) == [a[:p.max_tokens] for a, p in zip(alone, params)]

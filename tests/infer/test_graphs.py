@@ -98,14 +98,14 @@ def test_engine_static_steps_are_lossless(tiny_target, tiny_draft, spec, monkeyp
     got = static.generate(ENGINE_PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert static.get_metrics() == plain.get_metrics()
-    assert static.static_forward.graphs  # the static path ran
+    assert static.runner.static_forward.graphs  # the static path ran
     if spec and spec["method"] == "draft_model":
         assert static.proposer.static.graphs  # and drafted
 
 
 def test_engine_uses_static_steps_only_on_cuda_unless_eager(tiny_target):
     llm = LLM(tiny_target, device="cpu")
-    assert llm.static_forward is None  # CPU: the plain forward (exact key length)
+    assert llm.runner.static_forward is None  # CPU: the plain forward (exact key length)
     if torch.cuda.is_available():
-        assert LLM(tiny_target, device="cuda").static_forward is not None
-        assert LLM(tiny_target, device="cuda", enforce_eager=True).static_forward is None
+        assert LLM(tiny_target, device="cuda").runner.static_forward is not None
+        assert LLM(tiny_target, device="cuda", enforce_eager=True).runner.static_forward is None

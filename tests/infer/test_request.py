@@ -47,7 +47,7 @@ def test_engine_prefills_in_groups_and_keeps_outputs(tiny_target, monkeypatch):
     alone = [LLM(tiny_target, max_num_seqs=1).generate([p], params)[0].token_ids
              for p in prompts]
     # prompts apart from the step, as engines with fixed-shape (CUDA graph) steps prefill them
-    monkeypatch.setattr(LLM, "_grouped", property(lambda self: False))
+    monkeypatch.setattr(LLM, "_groups_prompts", property(lambda self: False))
     llm = LLM(tiny_target, max_num_seqs=4)
     widths, forward = [], llm.target.model.forward
 
@@ -58,8 +58,9 @@ def test_engine_prefills_in_groups_and_keeps_outputs(tiny_target, monkeypatch):
 
     monkeypatch.setattr(llm.target.model, "forward", counting)
     steps = []
-    monkeypatch.setattr(llm, "_verify", lambda inputs, reqs, *a, **k: (
-        steps.append([r.slot for r in reqs]), LLM._verify(llm, inputs, reqs, *a, **k))[1])
+    verify = llm.runner.verify
+    monkeypatch.setattr(llm.runner, "verify", lambda inputs, reqs, *a, **k: (
+        steps.append([r.slot for r in reqs]), verify(inputs, reqs, *a, **k))[1])
     outs = llm.generate(prompts, params)
     assert sorted(widths) == [(2, 3), (2, 60)]  # short with short, long with long
     assert all(s == sorted(s) for s in steps)  # the running batch stays in slot order

@@ -18,7 +18,7 @@ def test_engine_fills_its_timers(tiny_target, tiny_draft):
     real = llm.speculative_step
 
     def counted():
-        steps.append(len(llm._running))
+        steps.append(len(llm.scheduler.running))
         real()
 
     llm.speculative_step = counted

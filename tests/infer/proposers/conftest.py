@@ -35,7 +35,7 @@ def check_static_drafts(target: str, spec: dict, prompts: list, monkeypatch,
     # the plain forward admits as the static path does (prompts apart, before the step), so
     # that the two run the same steps
     with monkeypatch.context() as m:
-        m.setattr(LLM, "_grouped", property(lambda self: False))
+        m.setattr(LLM, "_groups_prompts", property(lambda self: False))
         want, plain = drafted(LLM(target, speculative_config=spec, max_num_seqs=2), prompts,
                               params)
     monkeypatch.setattr(LLM, "_static_steps", property(lambda self: True))

@@ -259,7 +259,7 @@ def test_static_steps_equal_plain_steps(predictive, monkeypatch):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert static.get_metrics() == plain.get_metrics()
     assert static.get_metrics()["num_accepted_tokens"] > 0
-    assert static.static_forward.graphs and static.proposer.static.graphs
+    assert static.runner.static_forward.graphs and static.proposer.static.graphs
 
 
 def test_parallel_drafting_is_refused_clearly(mimo_target):
