@@ -343,5 +343,5 @@ class LLM:
         cfg = self.target.model.config
         ctx = ProposerContext(self.target.model, cfg, self.device, self.target.dtype,
                               self.max_num_seqs, self.max_model_len, cfg.vocab_size,
-                              self._static_steps)
+                              self._static_steps, self.tokenizer)
         return proposer_class(self.spec)(self.spec, ctx)

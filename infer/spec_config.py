@@ -127,6 +127,7 @@ _FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "draft_tree_siblings": (check_int, {"minimum": 0}),
     "draft_tree_max_batch": (check_int, {"minimum": 1}),
     "speculative_token_map": (_check_str, {"optional": True}),
+    "use_heterogeneous_vocab": (_check_bool, {}),
 }
 
 
@@ -164,6 +165,9 @@ class SpeculativeConfig:
     speculative_token_map: str | None = None
     # vLLM main (2026): [[start_bs, end_bs, k], ...], each step's k by its batch (k_schedule.py)
     num_speculative_tokens_per_batch_size: Schedule | None = None
+    # vLLM main (2026): a draft_model with another tokenizer, greedy drafts over the two
+    # vocabularies' intersection (infer/vocab_bridge.py)
+    use_heterogeneous_vocab: bool = False
 
     def __post_init__(self) -> None:
         if self.method in MTP_ALIASES:
@@ -193,6 +197,7 @@ class SpeculativeConfig:
         self._resolve_sampling()
         self._resolve_token_map()
         self._check_rejection()
+        self._check_heterogeneous_vocab()
         if self.draft_tensor_parallel_size not in (None, 1):
             raise config_error("draft_tensor_parallel_size", self.draft_tensor_parallel_size,
                                "1 or None (draftsmith's engine runs target and drafter on one "
@@ -342,6 +347,19 @@ class SpeculativeConfig:
             rejection = "probabilistic" if drafts == "probabilistic" else "strict"
         self._set("rejection_sample_method", rejection)
         self._set("draft_sample_method", drafts)
+
+    def _check_heterogeneous_vocab(self) -> None:
+        """vLLM's rule: a sequential draft model drafting greedily (sampled drafts would need
+        the draft's distribution over the target's vocabulary, which it does not have)."""
+        if not self.use_heterogeneous_vocab:
+            return
+        if self.method != "draft_model" or self.parallel_drafting:
+            raise config_error("use_heterogeneous_vocab", True, "false unless method is "
+                               "'draft_model' without parallel_drafting", _WHERE)
+        if self.draft_sample_method != "greedy":
+            raise config_error("draft_sample_method", self.draft_sample_method, "'greedy' with "
+                               "use_heterogeneous_vocab (drafts over another vocabulary are "
+                               "greedy only)", _WHERE)
 
     def _check_rejection(self) -> None:
         synthetic = self.rejection_sample_method == "synthetic"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,6 +47,7 @@ class ProposerContext:
     max_model_len: int
     vocab_size: int
     static_steps: bool = False  # model steps in fixed shapes, CUDA graphs on CUDA (infer/graphs)
+    tokenizer: Any = None  # the target's (None: token ids only), for drafts with another one
 
 
 @dataclass

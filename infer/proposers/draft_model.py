@@ -1,4 +1,6 @@
-"""Draft-model proposers: an independent small causal LM with the target's tokenizer.
+"""Draft-model proposers: an independent small causal LM with the target's tokenizer (or another
+one, with ``use_heterogeneous_vocab``: greedy drafts over the two vocabularies' intersection,
+``infer/vocab_bridge.py``).
 
 Sequential (``method: draft_model``): each step first *catches up* (one ragged forward over the
 tokens the draft's KV cache has not seen: the whole prompt at first, afterwards the accepted
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from infer.foundation.errors import ConfigError, FileFormatError
+from infer.foundation.files import load_tokenizer
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.models.groups import ForwardGroup
@@ -28,6 +31,7 @@ from infer.models.loader import load_model
 from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig, draft_config_path, read_draft_config
+from infer.vocab_bridge import VocabBridge
 
 MASK_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")
 
@@ -40,11 +44,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         super().__init__(spec, ctx)
         self.model = load_model(spec.model, dtype=ctx.dtype, device=ctx.device)
-        vocab = self.model.config.vocab_size
-        if vocab != ctx.vocab_size:
-            raise FileFormatError(f"speculative_config: the draft model {spec.model!r} has "
-                                  f"vocab_size {vocab} but the target has {ctx.vocab_size}; a "
-                                  "draft model must share the target's tokenizer and vocabulary")
+        self.bridge = _bridge(spec, ctx, self.model.config.vocab_size)
         self.k = spec.num_speculative_tokens
         self.max_len = spec.max_model_len or ctx.max_model_len  # SpeculativeConfig.for_target
         self.mask_id = _mask_token(spec) if spec.parallel_drafting else None
@@ -83,7 +83,8 @@ class DraftModelProposer(Proposer):
         self.cache.truncate(slots, torch.tensor([self.fed[s] for s in batch.slots],
                                                 device=self.ctx.device))
         backlogs = self._backlog_groups(batch)
-        feeds = [toks[self.fed[s]:] for s, toks in zip(batch.slots, batch.token_ids)]
+        feeds = [self._draft_ids(toks[self.fed[s]:]) for s, toks in zip(batch.slots,
+                                                                          batch.token_ids)]
         for s, toks in zip(batch.slots, batch.token_ids):
             self.fed[s] = len(toks)  # after this step's catch-up the cache holds all of them
         if self.mask_id is not None:
@@ -91,7 +92,12 @@ class DraftModelProposer(Proposer):
             tokens, probs = self._choose(logits, batch)
         else:
             tokens, probs = self._sequential(feeds, slots, rows, batch, backlogs)
+        if self.bridge is not None:  # drafted over the intersection: the target's ids
+            tokens = self.bridge.to_target[tokens]
         return Proposal(tokens, probs if self.sample else None)
+
+    def _draft_ids(self, target_ids: list[int]) -> list[int]:
+        return target_ids if self.bridge is None else self.bridge.draft_ids(target_ids)
 
     def _backlog_groups(self, batch: DraftBatch) -> list[ForwardGroup]:
         """Rows with more unseen tokens than a verify step leaves (k + 1: a new prompt) feed all
@@ -104,7 +110,8 @@ class DraftModelProposer(Proposer):
             feed = toks[self.fed[slot]:-1]
             if len(feed) <= self.k:
                 continue
-            groups.append(ForwardGroup.last_of(torch.tensor([feed], device=device), slot))
+            groups.append(ForwardGroup.last_of(torch.tensor([self._draft_ids(feed)],
+                                                            device=device), slot))
             self.fed[slot] += len(feed)
         return groups
 
@@ -150,11 +157,37 @@ class DraftModelProposer(Proposer):
 
     def _choose(self, logits: torch.Tensor, batch: DraftBatch):
         """Draft tokens ``[B, n]`` and the draft distribution ``[B, n, vocab]`` they came from."""
+        if self.bridge is not None:  # greedy over the intersection, no distribution
+            logits = self.bridge.mask(logits)
         temperature = batch.temperature if batch.temperature is not None else 0.0
         q = logits_to_probs(logits, temperature, batch.top_k, batch.top_p)  # [B, n, vocab]
         if self.sample:
             return sample_from_probs(q, batch.generator), q
         return logits.argmax(dim=-1), q
+
+
+def _bridge(spec: SpeculativeConfig, ctx: ProposerContext, vocab: int) -> VocabBridge | None:
+    """The vocabulary map of a draft with another tokenizer (``use_heterogeneous_vocab``);
+    None for a draft sharing the target's vocabulary, which is checked here."""
+    if not spec.use_heterogeneous_vocab:
+        if vocab != ctx.vocab_size:
+            raise FileFormatError(f"speculative_config: the draft model {spec.model!r} has "
+                                  f"vocab_size {vocab} but the target has {ctx.vocab_size}; a "
+                                  "draft model must share the target's tokenizer and vocabulary "
+                                  "(or set use_heterogeneous_vocab: true)")
+        return None
+    if ctx.tokenizer is None:
+        raise ConfigError("speculative_config: use_heterogeneous_vocab needs the target's "
+                          "tokenizer (the target has none: token-id prompts only)",
+                          "use_heterogeneous_vocab")
+    draft_tokenizer = load_tokenizer(spec.model, key="speculative_config.model")
+    bridge = VocabBridge.build(draft_tokenizer, ctx.tokenizer, vocab, ctx.vocab_size,
+                               ctx.device)
+    if bridge.size == 0:
+        raise ConfigError(f"speculative_config: the draft model {spec.model!r} shares no "
+                          "token with the target's vocabulary (use_heterogeneous_vocab)",
+                          "use_heterogeneous_vocab")
+    return bridge
 
 
 def _mask_token(spec: SpeculativeConfig) -> int:
