@@ -67,7 +67,8 @@ class HarnessConfig:
     ``num_speculative_tokens``); ``method`` is the label in reports (default: the method).
 
     Sampled rows (temperature > 0) of a drafter with a distribution to sample from draft with
-    ``draft_sample_method: probabilistic`` (the p/q test) unless the mapping says how: at
+    ``draft_sample_method: probabilistic`` (the p/q test) unless the mapping says how (or the
+    drafter has another vocabulary, ``use_heterogeneous_vocab``: greedy drafts only): at
     temperature 1 it accepts far more than greedy drafts judged by p(x) alone (vLLM's default),
     and both are lossless. The report's "drafts" column says which rule ran."""
 
@@ -89,7 +90,7 @@ class HarnessConfig:
         spec = SpeculativeConfig.parse(given)
         if self.temperature > 0 and not {"rejection_sample_method",
                                          "draft_sample_method"} & given.keys() \
-                and spec.method in PROPOSERS.names() \
+                and spec.method in PROPOSERS.names() and not spec.use_heterogeneous_vocab \
                 and proposer_class(spec).provides_draft_probs:
             spec = SpeculativeConfig.parse({**given, "draft_sample_method": "probabilistic"})
         return spec

@@ -552,3 +552,6 @@ def test_sampled_rows_draft_by_sampling_unless_told():
     assert HarnessConfig(strict, 3, temperature=1.0).spec().draft_sample_method == "greedy"
     ngram = HarnessConfig({"method": "ngram"}, 3, temperature=1.0).spec()
     assert ngram.draft_sample_method == "greedy"  # nothing to sample from
+    other_vocab = {"method": "draft_model", "model": "some/draft", "use_heterogeneous_vocab": True}
+    spec = HarnessConfig(other_vocab, 3, temperature=1.0).spec()  # greedy drafts only
+    assert (spec.draft_sample_method, spec.rejection_sample_method) == ("greedy", "strict")
