@@ -26,8 +26,9 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
+from infer.draft_config import (VARIANTS, cached_config_path, checkpoint_method, checkpoint_type,
+                                 draft_config_path, read_draft_config)
 from infer.foundation.errors import ConfigError, MissingFileError
-from infer.foundation.files import read_json
 from infer.foundation.validation import check_float, check_int, config_error, reject_unknown_keys
 from infer.k_schedule import KEY as SCHEDULE_KEY
 from infer.k_schedule import Schedule, k_for_batch, parse_schedule
@@ -50,9 +51,6 @@ _NO_MODEL = ("ngram", "ngram_gpu", "suffix")
 # vLLM allows parallel drafting for the EAGLE family (MTP is one) and draft models (PARD);
 # DFlash always drafts a block in one forward (vLLM forces it on), so the flag is accepted there.
 _PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp", "dflash")
-# speculators_model_type values that name a variant of a method rather than a method: vLLM maps
-# them to (method, parallel_drafting). P-EAGLE is an EAGLE-3 head drafting in parallel.
-_VARIANTS = {"peagle": ("eagle3", True)}
 _PROMPT_LOOKUP_DEFAULT = 5
 # vLLM 0.32's deprecated per-model names of method "mtp" (a warning, then "mtp")
 MTP_ALIASES = (
@@ -184,7 +182,7 @@ class SpeculativeConfig:
         if self.method is None:
             self._set("method", _infer_method(self.model, draft, path))
         _check_method_fits(self.method, draft, path)
-        variant = _VARIANTS.get(checkpoint_type(draft))  # e.g. peagle: eagle3 + parallel
+        variant = VARIANTS.get(checkpoint_type(draft))  # e.g. peagle: eagle3 + parallel
         if variant is not None:
             self._set("parallel_drafting", variant[1])
         self._check_model()
@@ -266,7 +264,7 @@ class SpeculativeConfig:
         if self.model is None:
             return  # LLM.__init__ resolves it against the loaded target
         if path is None:  # a hub id: the target's config.json from the local cache, if there
-            path = _cached_config_path(self.model)
+            path = cached_config_path(self.model)
             if path is None:
                 raise ConfigError(f"{_WHERE}: method 'mtp' reads the target's {MTP_LAYERS_KEY} "
                                   f"from its config.json, but model={self.model!r} is neither "
@@ -425,50 +423,6 @@ class SpeculativeConfig:
         model = target_path if self.method == "mtp" and self.model is None else self.model
         return dataclasses.replace(self, model=model,
                                    max_model_len=self.max_model_len or target_max_model_len)
-
-
-# ---- the draft checkpoint's config.json -----------------------------------------------------
-
-def draft_config_path(model: str) -> Path | None:
-    """The config.json of a local draft (a directory or the file itself); None for a hub id."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-        return path if path.is_file() else None
-    return path if path.is_file() and path.suffix == ".json" else None
-
-
-def _cached_config_path(model: str) -> Path | None:
-    """The config.json of a hub id already in the local Hugging Face cache (no network), the
-    way the target loader finds it; None when it is not there."""
-    from infer.models.loader import resolve_model_dir  # lazy: parsing needs no torch
-
-    try:
-        path = resolve_model_dir(model) / "config.json"
-    except MissingFileError:
-        return None
-    return path if path.is_file() else None
-
-
-def read_draft_config(path: Path | str) -> dict[str, Any]:
-    """Plain JSON, no remote code: all the schema needs to infer the method and k."""
-    return read_json(path, what=f"{_WHERE}.model's config")
-
-
-def checkpoint_type(draft: dict[str, Any]) -> str | None:
-    """The drafter type a config.json declares (speculators type, MLP speculator), if any:
-    ``peagle`` stays ``peagle`` here (:func:`checkpoint_method` maps it to its method)."""
-    kind = draft.get("speculators_model_type")
-    if kind is None and draft.get("model_type") in ("mlp_speculator", "medusa"):
-        kind = draft["model_type"]
-    return kind
-
-
-def checkpoint_method(draft: dict[str, Any]) -> str | None:
-    """The method a drafter's config.json declares, if any (``peagle`` -> ``eagle3``, whose
-    parallel-drafting variant it is, as vLLM maps it)."""
-    kind = checkpoint_type(draft)
-    return _VARIANTS[kind][0] if kind in _VARIANTS else kind
 
 
 def _check_method_fits(method: str, draft: dict[str, Any], path: Path | None) -> None:

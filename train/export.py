@@ -39,7 +39,7 @@ from pathlib import Path
 from infer.drafters.common import read_checkpoint, write_checkpoint
 from infer.drafters.eagle3 import SGLANG_ARCHITECTURE, Eagle3Config, default_aux_layer_ids
 from infer.drafters.peagle import PEagleConfig
-from infer.spec_config import checkpoint_type
+from infer.draft_config import checkpoint_type
 from infer.foundation.validation import config_error
 
 _SGLANG_WEIGHTS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}  # + midlayer.*

@@ -27,7 +27,7 @@ from infer.models.groups import (ForwardGroup, flat_logits_at, flat_tokens, plan
                                  split_picked)
 from infer.models.llama import ModelConfig
 from infer.models.loader import resolve_model_dir, weight_files
-from infer.spec_config import checkpoint_method
+from infer.draft_config import checkpoint_method
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -30,7 +30,8 @@ from infer.models.groups import ForwardGroup
 from infer.models.loader import load_model
 from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext
 from infer.sampling import logits_to_probs, sample_from_probs
-from infer.spec_config import SpeculativeConfig, draft_config_path, read_draft_config
+from infer.draft_config import draft_config_path, read_draft_config
+from infer.spec_config import SpeculativeConfig
 from infer.vocab_bridge import VocabBridge
 
 MASK_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")

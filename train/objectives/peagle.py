@@ -50,7 +50,7 @@ from infer.drafters.eagle3 import Eagle3Drafter
 from infer.drafters.peagle import PEagleConfig, PEagleDrafter
 from infer.foundation.files import read_json
 from infer.models.loader import resolve_model_dir
-from infer.spec_config import checkpoint_type
+from infer.draft_config import checkpoint_type
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput
 from train.objectives.eagle3 import (Eagle3Objective, init_aux_layer_ids, load_init,
                                      resolve_aux_layer_ids)
