@@ -20,11 +20,13 @@ prefill, verify and tree-verify forwards, CUDA-graph steps) and the step's verif
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from infer.adaptive import AdaptiveVerifier
 from infer.engine_checks import (check_engine_args, check_loaded, check_memory_budget,
                                   kv_cache_bytes)
 from infer.foundation.threads import GOVERNOR
@@ -94,6 +96,8 @@ class LLM:
                                   static=self._static_steps, grouped=self._groups_prompts)
         self.scheduler = Scheduler(max_num_seqs)
         self.metrics = SpecMetrics()
+        adaptive = self.spec is not None and self.spec.enable_adaptive_verification
+        self.adaptive = AdaptiveVerifier() if adaptive else None
 
     @property
     def device(self) -> torch.device:
@@ -306,12 +310,27 @@ class LLM:
         batch = plan.draft_batch(reqs)
         limits = torch.tensor([r.draft_limit(plan.k, self.max_model_len) for r in reqs],
                               device=self.device)  # [B], copied before the drafts are queued
+        start = time.perf_counter()
         with measure(self.timers and self.timers.draft):
             proposal = self.proposer.propose(batch)
         width = proposal.draft_ids.shape[1]
         over = torch.arange(width, device=self.device)[None, :] >= limits[:, None]  # [B, w]
         proposal.draft_ids = proposal.draft_ids.masked_fill(over, -1)
+        if self.adaptive is not None and proposal.confidence is not None:
+            proposal.draft_ids = self._adapt(reqs, proposal, start)
         return proposal
+
+    def _adapt(self, reqs: list[Request], proposal: Proposal, start: float) -> torch.Tensor:
+        """The drafts adaptive verification keeps (infer/adaptive.py): a prefix of each row's,
+        the rest -1. ``start``: when drafting began (the draft cost it weighs)."""
+        drafted = (proposal.draft_ids >= 0).sum(dim=1).tolist()  # [B] (a host sync on CUDA)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        width = proposal.draft_ids.shape[1]
+        keep = self.adaptive.keep(proposal.confidence, drafted, time.perf_counter() - start,
+                                  lambda: self.runner.profile_verify(reqs, slots, self.k + 1))
+        over = (torch.arange(width, device=self.device)[None, :]
+                >= torch.tensor(keep, device=self.device)[:, None])  # [B, w]
+        return proposal.draft_ids.masked_fill(over, -1)
 
     def _start(self, reqs: list[Request], out: ModelOutput) -> None:
         """Prefilled requests (``out``: logits ``[B, 1, vocab]``, states right-padded) sample

@@ -15,6 +15,7 @@ from typing import ContextManager
 
 import torch
 
+from infer.adaptive import time_forward
 from infer.draft_tree import SiblingTree
 from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
@@ -87,6 +88,23 @@ class ModelRunner:
                                      cache_rows([r.slot for r in reqs], slots),
                                      num_tokens=num_tokens,
                                      aux_layer_ids=self.features.aux_layer_ids, tree=tree)
+
+    def profile_verify(self, reqs: list[Request], slots: torch.Tensor,
+                       max_width: int) -> list[float]:
+        """Seconds of a verify forward over the running rows at each width 1 .. ``max_width``
+        (dummy tokens, the cache rolled back after each): adaptive verification's costs."""
+        lens = self.cache.lens[slots].clone()
+        rows = cache_rows([r.slot for r in reqs], slots)
+        costs = []
+        for width in range(1, max_width + 1):
+            ids = torch.zeros(len(reqs), width, dtype=torch.long, device=self.device)
+
+            def run() -> None:
+                self.target.model(ids, self.cache, rows,
+                                  aux_layer_ids=self.features.aux_layer_ids)
+                self.cache.truncate(slots, lens)
+            costs.append(time_forward(run, self.device))
+        return costs
 
     def prompt_groups(self, reqs: list[Request]) -> list[ForwardGroup]:
         """Each request's prompt as a group of its own (fresh cache row, the last logits)."""

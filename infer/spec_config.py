@@ -52,6 +52,7 @@ _NO_MODEL = ("ngram", "ngram_gpu", "suffix")
 # DFlash always drafts a block in one forward (vLLM forces it on), so the flag is accepted there.
 _PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp", "dflash")
 _PROMPT_LOOKUP_DEFAULT = 5
+_ADAPTIVE = ("draft_model", "eagle", "eagle3", "dflash", "mlp_speculator", "mtp")  # confidences
 # vLLM 0.32's deprecated per-model names of method "mtp" (a warning, then "mtp")
 MTP_ALIASES = (
     "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",
@@ -126,6 +127,7 @@ _FIELD_RULES: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     "draft_tree_max_batch": (check_int, {"minimum": 1}),
     "speculative_token_map": (_check_str, {"optional": True}),
     "use_heterogeneous_vocab": (_check_bool, {}),
+    "enable_adaptive_verification": (_check_bool, {}),
 }
 
 
@@ -166,6 +168,9 @@ class SpeculativeConfig:
     # vLLM main (2026): a draft_model with another tokenizer, greedy drafts over the two
     # vocabularies' intersection (infer/vocab_bridge.py)
     use_heterogeneous_vocab: bool = False
+    # vLLM main (2026): each step verifies the prefix of each row's drafts that pays, from the
+    # drafter's confidences and measured costs (infer/adaptive.py)
+    enable_adaptive_verification: bool = False
 
     def __post_init__(self) -> None:
         if self.method in MTP_ALIASES:
@@ -196,6 +201,7 @@ class SpeculativeConfig:
         self._resolve_token_map()
         self._check_rejection()
         self._check_heterogeneous_vocab()
+        self._check_adaptive()
         if self.draft_tensor_parallel_size not in (None, 1):
             raise config_error("draft_tensor_parallel_size", self.draft_tensor_parallel_size,
                                "1 or None (draftsmith's engine runs target and drafter on one "
@@ -358,6 +364,16 @@ class SpeculativeConfig:
             raise config_error("draft_sample_method", self.draft_sample_method, "'greedy' with "
                                "use_heterogeneous_vocab (drafts over another vocabulary are "
                                "greedy only)", _WHERE)
+
+    def _check_adaptive(self) -> None:
+        """Adaptive verification ranks drafts by a drafter's confidence: model drafters' chains
+        and blocks, not lookups (no distribution) nor sibling trees (their own greedy step)."""
+        if not self.enable_adaptive_verification:
+            return
+        if self.method not in _ADAPTIVE or self.draft_tree_siblings:
+            raise config_error("enable_adaptive_verification", True, "false unless method is "
+                               f"one of {', '.join(_ADAPTIVE)} without draft_tree_siblings",
+                               _WHERE)
 
     def _check_rejection(self) -> None:
         synthetic = self.rejection_sample_method == "synthetic"

@@ -90,6 +90,8 @@ class Proposal:
     draft_probs: torch.Tensor | None = None
     # [batch, k, S] each draft's next-best tokens (``draft_tree_siblings`` = S), or None
     sibling_ids: torch.Tensor | None = None
+    # [batch, k] the drafter's top probability at each draft (adaptive verification), or None
+    confidence: torch.Tensor | None = None
 
 
 @dataclass
@@ -116,6 +118,11 @@ class Proposer(ABC):
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         self.spec = spec
         self.ctx = ctx
+
+    def confidence(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``top_probability`` of the drafter's ``logits [B, n, V]`` when the engine verifies
+        adaptively (``enable_adaptive_verification``), else None (nothing computed)."""
+        return top_probability(logits) if self.spec.enable_adaptive_verification else None
 
     def feature_spec(self) -> FeatureSpec:
         """What the proposer reads from the target's outputs (the engine asks once, before its
@@ -210,3 +217,9 @@ def pad_drafts(drafts: list[list[int]], k: int, device: torch.device) -> torch.T
         if ids:
             out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     return out.to(device)
+
+
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """The drafter's probability of its most likely token, ``logits [..., V] -> [...]``: how
+    adaptive verification (infer/adaptive.py) ranks a draft's chance to survive."""
+    return logits.float().softmax(dim=-1).amax(dim=-1)

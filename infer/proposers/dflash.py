@@ -133,12 +133,15 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
         logits = self.block_logits(batch)  # [B, K, Vd]
+        confidence = self.confidence(logits)  # [B, K] or None
         if not self.sample:
-            return Proposal(self.drafter.to_target_ids(logits.argmax(dim=-1)))  # [B, K]
+            return Proposal(self.drafter.to_target_ids(logits.argmax(dim=-1)),
+                            confidence=confidence)  # [B, K]
         temperature = batch.temperature if batch.temperature is not None else 0.0
         q = logits_to_probs(logits, temperature, batch.top_k, batch.top_p)  # [B, K, Vd]
         tok = sample_from_probs(q, batch.generator)  # [B, K]
-        return Proposal(self.drafter.to_target_ids(tok), self.drafter.to_target_probs(q))
+        return Proposal(self.drafter.to_target_ids(tok), self.drafter.to_target_probs(q),
+                        confidence=confidence)
 
 
 def load_drafter(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashDrafter:

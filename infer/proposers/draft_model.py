@@ -91,11 +91,12 @@ class DraftModelProposer(Proposer):
         if self.mask_id is not None:
             logits = self._parallel(feeds, rows, batch.k, backlogs)  # [B, k, vocab]
             tokens, probs = self._choose(logits, batch)
+            confidence = self.confidence(logits)
         else:
-            tokens, probs = self._sequential(feeds, slots, rows, batch, backlogs)
+            tokens, probs, confidence = self._sequential(feeds, slots, rows, batch, backlogs)
         if self.bridge is not None:  # drafted over the intersection: the target's ids
             tokens = self.bridge.to_target[tokens]
-        return Proposal(tokens, probs if self.sample else None)
+        return Proposal(tokens, probs if self.sample else None, confidence=confidence)
 
     def _draft_ids(self, target_ids: list[int]) -> list[int]:
         return target_ids if self.bridge is None else self.bridge.draft_ids(target_ids)
@@ -120,14 +121,16 @@ class DraftModelProposer(Proposer):
                     rows: torch.Tensor | None, batch: DraftBatch,
                     backlogs: list[ForwardGroup]):
         logits = self._forward_ragged(feeds, rows, 1, backlogs)  # [B, 1, vocab]
-        tokens, probs = [], []
+        tokens, probs, conf = [], [], []
         for step in range(batch.k):
             tok, q = self._choose(logits, batch)  # [B, 1], [B, 1, vocab]
             tokens.append(tok)
             probs.append(q)
+            conf.append(self.confidence(self.bridge.mask(logits) if self.bridge else logits))
             if step + 1 < batch.k:
                 logits = self._decode(tok, slots, rows, batch, step)  # [B, 1, vocab]
-        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1)  # [B, k], [B, k, vocab]
+        confidence = torch.cat(conf, dim=1) if conf[0] is not None else None  # [B, k]
+        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1), confidence
 
     def _decode(self, tok: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None,
                 batch: DraftBatch, step: int) -> torch.Tensor:

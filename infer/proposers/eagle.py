@@ -168,20 +168,22 @@ class EagleChainProposer(Proposer):
         # batch-1 catch-up takes the cache's one-row plan
         ragged = counts if min(c.counts) < c.ids.shape[1] else None
         logits, hidden = self.catch_up(c, c.ids, c.feats, ragged, (counts - 1)[:, None])
-        tokens, probs, sibs = [], [], []  # from logits [B, 1, V'], hidden [B, 1, H]
+        tokens, probs, sibs, conf = [], [], [], []  # from logits [B, 1, V'], hidden [B, 1, H]
         tree = (self.siblings and len(batch.slots) <= self.tree_max_batch
                 and argmax_verify(batch.temperature, self.spec.rejection_sample_method))
         for step in range(batch.k):
             tok, q = self._choose(logits, batch)  # [B, 1] target ids, [B, 1, vocab] or None
             tokens.append(tok)
             probs.append(q)
+            conf.append(self.confidence(logits))  # [B, 1] or None
             if tree:
                 sibs.append(self._next_best(logits))  # [B, 1, S]
             if step + 1 < batch.k:
                 logits, hidden = self._decode(tok, hidden, slots, rows, batch, step)
         draft_probs = torch.cat(probs, dim=1) if self.sample else None  # [B, k, vocab]
         siblings = torch.cat(sibs, dim=1) if sibs else None  # [B, k, S]
-        return Proposal(torch.cat(tokens, dim=1), draft_probs, siblings)  # [B, k]
+        confidence = torch.cat(conf, dim=1) if conf[0] is not None else None  # [B, k]
+        return Proposal(torch.cat(tokens, dim=1), draft_probs, siblings, confidence)  # [B, k]
 
     def catch_up(self, c: CatchUp, ids: Tensor, feats: Tensor, num_tokens: Tensor | None,
                  logits_at: Tensor) -> tuple[Tensor, Tensor]:

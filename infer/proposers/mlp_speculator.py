@@ -89,13 +89,15 @@ class MLPSpeculatorProposer(Proposer):
         device = self.ctx.device
         state = self.drafter.prepare(torch.stack([self.state[s] for s in batch.slots]))  # [B, H]
         tok = torch.tensor([t[-1] for t in batch.token_ids], dtype=torch.long, device=device)
-        tokens, probs = [], []
+        tokens, probs, conf = [], [], []
         for i in range(k):
             logits, state = self.drafter.step(i, state, tok)  # [B, V'], [B, D]
             tok, q = self._choose(logits, batch)
             tokens.append(tok)
             probs.append(q)
+            conf.append(self.confidence(logits))  # [B] or None
         draft_ids = torch.stack(tokens, dim=1)  # [B, k]
+        confidence = torch.stack(conf, dim=1) if conf[0] is not None else None  # [B, k]
         draft_probs = torch.stack(probs, dim=1) if self.sample else None  # [B, k, vocab]
         if k < batch.k:  # engine asked for more than we draft: -1 suffix
             pad = draft_ids.new_full((draft_ids.shape[0], batch.k - k), -1)
@@ -103,7 +105,10 @@ class MLPSpeculatorProposer(Proposer):
             if draft_probs is not None:
                 draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(
                     draft_probs.shape[0], batch.k - k, draft_probs.shape[-1])], dim=1)
-        return Proposal(draft_ids, draft_probs)
+            if confidence is not None:
+                confidence = torch.cat([confidence, confidence.new_zeros(
+                    confidence.shape[0], batch.k - k)], dim=1)
+        return Proposal(draft_ids, draft_probs, confidence=confidence)
 
     def _choose(self, logits: Tensor, batch: DraftBatch) -> tuple[Tensor, Tensor | None]:
         """Drafts ``[B]`` and, when sampling, their distribution ``[B, vocab]`` (target vocab)."""

@@ -71,7 +71,8 @@ class PEagleProposer(Eagle3Proposer):
                                     max_len=longest, num_tokens=num_tokens,
                                     row_kwargs={"logits_at": last})
         tokens, probs = self._choose(logits, batch)  # [B, K], [B, K, vocab] or None
-        return Proposal(tokens, probs if self.sample else None)
+        return Proposal(tokens, probs if self.sample else None,
+                        confidence=self.confidence(logits))
 
     def with_mask_rows(self, ids: Tensor, feats: Tensor, counts: list[int], k: int
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

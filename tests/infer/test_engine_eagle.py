@@ -10,6 +10,7 @@ import infer.graphs
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from infer.engine import LLM
+from infer.runner import ModelRunner
 from infer.foundation.errors import FileFormatError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
@@ -53,11 +54,16 @@ def heads(tmp_path_factory, target4):
 
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
-@pytest.mark.parametrize("k,max_num_seqs", [(1, 4), (3, 2), (5, 4)])
-def test_greedy_equals_autoregressive(target4, heads, method, k, max_num_seqs):
+@pytest.mark.parametrize("k,max_num_seqs,adaptive", [(1, 4, False), (3, 2, False),
+                                                     (5, 4, False), (5, 4, True)])
+def test_greedy_equals_autoregressive(target4, heads, method, k, max_num_seqs, adaptive,
+                                      monkeypatch):
+    if adaptive:  # verification priced flat: every draft pays, so the counts below hold
+        monkeypatch.setattr(ModelRunner, "profile_verify", lambda self, reqs, slots, w: [1.0] * w)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
-    spec = {"method": method, "model": heads[method], "num_speculative_tokens": k}
+    spec = {"method": method, "model": heads[method], "num_speculative_tokens": k,
+            "enable_adaptive_verification": adaptive}
     llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]

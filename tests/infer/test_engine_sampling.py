@@ -16,6 +16,7 @@ from scipy.stats import chi2
 from transformers import LlamaForCausalLM
 
 from infer.engine import LLM
+from infer.runner import ModelRunner
 from infer.sampling import SamplingParams, logits_to_probs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -95,12 +96,19 @@ SPECS = {
     "draft_block_sampled": {"method": "draft_model", "rejection_sample_method": "block",
                             "draft_sample_method": "probabilistic"},
     "draft_block_greedy": {"method": "draft_model", "rejection_sample_method": "block"},
+    # adaptive verification: each row verifies a prefix of its drafts chosen from the drafter's
+    # confidences and the measured costs (infer/adaptive.py)
+    "draft_adaptive": {"method": "draft_model", "rejection_sample_method": "probabilistic",
+                       "enable_adaptive_verification": True},
 }
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_output_distribution_matches_target(models, name):
+def test_output_distribution_matches_target(models, name, monkeypatch):
     target, draft, pard = models
+    if name == "draft_adaptive":  # fixed costs: the same drafts are cut on any machine
+        monkeypatch.setattr(ModelRunner, "profile_verify",
+                            lambda self, reqs, slots, w: [1.0 + 0.5 * i for i in range(w)])
     spec = SPECS[name] and {**SPECS[name], "num_speculative_tokens": K}
     if spec and spec["method"] == "draft_model":
         spec["model"] = pard if spec.get("parallel_drafting") else draft
@@ -110,6 +118,8 @@ def test_output_distribution_matches_target(models, name):
     assert chi2_pvalue(third, p_third) > P_MIN
     if spec:  # the speculative paths really ran: drafts both accepted and rejected
         assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"], metrics
+    if name == "draft_adaptive":  # and some rows verified fewer than the K drafts they drew
+        assert metrics["num_draft_tokens"] < K * metrics["num_drafts"], metrics
     if name == "draft_probabilistic":  # power: emitting the draft's t2 law would be caught
         q_joint, _ = exact_laws(draft, 1.0, None, None)
         q_cond = q_joint / q_joint.sum(axis=1, keepdims=True)  # q(t2 | t1)

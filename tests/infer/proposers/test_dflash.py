@@ -8,6 +8,7 @@ import torch
 
 from infer.drafters.dflash import DFlashConfig, DFlashDrafter
 from infer.engine import LLM
+from infer.runner import ModelRunner
 from infer.foundation.errors import ConfigError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
@@ -51,11 +52,16 @@ def heads(target4, tmp_path_factory):
 
 
 @pytest.mark.parametrize("head", ["full", "reduced"])
-@pytest.mark.parametrize("k,max_num_seqs", [(1, 4), (3, 2), (4, 4)])
-def test_greedy_equals_autoregressive(target4, heads, head, k, max_num_seqs):
+@pytest.mark.parametrize("k,max_num_seqs,adaptive", [(1, 4, False), (3, 2, False),
+                                                     (4, 4, False), (4, 4, True)])
+def test_greedy_equals_autoregressive(target4, heads, head, k, max_num_seqs, adaptive,
+                                      monkeypatch):
+    if adaptive:  # verification priced flat: every draft pays, so the counts below hold
+        monkeypatch.setattr(ModelRunner, "profile_verify", lambda self, reqs, slots, w: [1.0] * w)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
-    spec = {"model": heads[head], "num_speculative_tokens": k}  # method inferred
+    spec = {"model": heads[head], "num_speculative_tokens": k,  # method inferred
+            "enable_adaptive_verification": adaptive}
     llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
