@@ -1,20 +1,22 @@
-"""Adaptive verification (vLLM's ``enable_adaptive_verification``): each step verifies only the
-prefix of each row's drafts that pays.
+"""Adaptive verification (vLLM's ``enable_adaptive_verification``): each step verifies only as
+many drafts as pay.
 
-A draft at position i of a row is worth verifying in proportion to the chance that it and every
-draft before it are accepted, its survival ``s_i = c_1 ... c_i``, where ``c_j`` is the drafter's
-confidence in its j-th draft (its top probability there, the signal vLLM's online estimate reads
-for EAGLE, MTP, DFlash and draft models). Over the batch, the step keeps the ``b`` drafts of
-highest survival that maximise the expected tokens per second,
+A row's i-th draft is worth verifying in proportion to the chance that it and every draft before
+it are accepted, its survival ``s_i = a_1 ... a_i``, where ``a_j`` estimates the acceptance of
+the j-th draft from the drafter's confidence there (its top probability). The estimate is
+calibrated online, as vLLM's later estimator is: the verified drafts' outcomes are counted by
+confidence bin (a draft judged after an accepted prefix, accepted or not), starting from the
+prior that a drafter's top probability is its acceptance.
 
-    (rows + s of the kept drafts) / (draft cost + verify cost of rows + b tokens),
+draftsmith's verify forward runs the batch's rows padded to the widest one, so its cost is set by
+the width, not by the tokens kept: the step picks the width ``w`` (drafts per row, at most what
+each drafted) that maximises the expected tokens per second,
 
-with the verify forward's cost by width measured once per batch size on the running rows (the
-cache rolled back after) and the draft cost the proposer's measured time. Survival only falls
-along a row, so what a row keeps is a prefix: the verification rule itself is unchanged and the
-step stays lossless; only how many drafts are judged changes. Where verifying is nearly free
-(batch 1 on a GPU, or a CPU bound by reading weights) it keeps everything; where every verified
-token costs (a compute-bound batch) it drops the drafts unlikely to survive.
+    (rows + sum of survivals up to w) / (draft cost + verify cost at w + 1 tokens per row),
+
+with the verify cost by width measured on the running rows when a batch size first steps (the
+cache rolled back after) and refreshed by every verify since, and the draft cost the proposer's
+measured time. Only how many drafts are judged changes, not how: lossless.
 """
 
 from __future__ import annotations
@@ -26,41 +28,72 @@ from typing import Callable
 
 import torch
 
-_REPEATS = 3  # timed forwards per width; the median is kept
+_REPEATS = 3  # timed forwards per width when profiling; the median is kept
+_BINS = 10  # confidence bins of the acceptance estimate
+_PRIOR = 4.0  # pseudo-counts of the prior (acceptance = confidence) in each bin
+_EMA = 0.2  # weight of a new measurement in the running costs
 
 
-def verify_budget(confidence: list[list[float]], drafted: list[int], draft_cost: float,
-                  verify_cost: Callable[[int], float]) -> list[int]:
-    """Drafts each row verifies: the ``b`` of highest survival (``confidence`` per row and
-    position, ``drafted`` real drafts per row) that maximise (rows + kept survival) /
-    (``draft_cost`` + ``verify_cost(rows + b)``); ties keep the earlier position."""
-    rows = len(drafted)
-    entries = []  # (-survival, row, position): sorted, each row's entries come in order
-    for r, (conf, n) in enumerate(zip(confidence, drafted)):
-        survival = 1.0
-        for i in range(n):
-            survival *= min(max(conf[i], 0.0), 1.0)
-            entries.append((-survival, r, i))
-    entries.sort()
-    best, best_rate, expected = 0, rows / (draft_cost + verify_cost(rows)), float(rows)
-    for b, (neg, _, _) in enumerate(entries, 1):
-        expected -= neg
-        rate = expected / (draft_cost + verify_cost(rows + b))
+def verify_width(survival: list[list[float]], drafted: list[int], draft_cost: float,
+                 cost_by_width: list[float]) -> int:
+    """Drafts per row to verify: the ``w`` maximising (rows + kept survival) / (``draft_cost``
+    + ``cost_by_width[w]``), a row keeping ``min(w, drafted)`` (``survival`` per row and
+    position; ``cost_by_width[w]``: a forward ``w + 1`` tokens wide)."""
+    rows, widest = len(drafted), min(max(drafted, default=0), len(cost_by_width) - 1)
+    best, best_rate, expected = 0, rows / (draft_cost + cost_by_width[0]), float(rows)
+    for w in range(1, widest + 1):
+        expected += sum(s[w - 1] for s, n in zip(survival, drafted) if n >= w)
+        rate = expected / (draft_cost + cost_by_width[w])
         if rate > best_rate:
-            best, best_rate = b, rate
-    keep = [0] * rows
-    for _, r, _ in entries[:best]:
-        keep[r] += 1
-    return keep
+            best, best_rate = w, rate
+    return best
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Acceptance of a draft by its confidence bin: judged and accepted counts, from a prior."""
+
+    judged: list[float] = field(default_factory=lambda: [_PRIOR] * _BINS)
+    accepted: list[float] = field(default_factory=lambda: [
+        _PRIOR * (i + 0.5) / _BINS for i in range(_BINS)])
+
+    def survival(self, confidence: list[list[float]]) -> list[list[float]]:
+        """Per row and position, the estimated chance that every draft up to it is accepted."""
+        out = []
+        for row in confidence:
+            s, acc = 1.0, []
+            for c in row:
+                b = _bin(c)
+                s *= self.accepted[b] / self.judged[b]
+                acc.append(s)
+            out.append(acc)
+        return out
+
+    def observe(self, confidence: list[list[float]], verified: list[int],
+                accepted: list[int]) -> None:
+        """Count each judged draft: those before the first rejection accepted, that one not;
+        drafts after it were never judged."""
+        for conf, n, a in zip(confidence, verified, accepted):
+            for i in range(min(a + 1, n)):
+                b = _bin(conf[i])
+                self.judged[b] += 1
+                self.accepted[b] += 1 if i < a else 0
+
+
+def _bin(confidence: float) -> int:
+    return min(max(int(confidence * _BINS), 0), _BINS - 1)
 
 
 @dataclass
 class AdaptiveVerifier:
-    """The engine's adaptive verification: the verify costs by batch size (measured on a batch
-    size's first step) and the draft cost (a running mean of the proposer's measured time)."""
+    """The engine's adaptive verification: verify costs by batch size and width (profiled when
+    a batch size first steps, refreshed by every verify), the draft cost (a running mean of the
+    proposer's time) and the acceptance estimate."""
 
     draft_seconds: float = 0.0
-    costs: dict[int, list[float]] = field(default_factory=dict)  # rows -> seconds at width 1..
+    costs: dict[int, list[float]] = field(default_factory=dict)  # rows -> seconds by width - 1
+    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    _last: list[list[float]] = field(default_factory=list)  # the pending step's confidences
 
     def keep(self, confidence: torch.Tensor, drafted: list[int], draft_seconds: float,
              profile: Callable[[], list[float]]) -> list[int]:
@@ -68,22 +101,28 @@ class AdaptiveVerifier:
         step's draft time and, on a batch size's first step, ``profile()``: the verify forward's
         seconds at widths 1, 2, ... over the running rows."""
         rows = len(drafted)
-        self.draft_seconds = draft_seconds if self.draft_seconds == 0.0 else (
-            0.8 * self.draft_seconds + 0.2 * draft_seconds)
+        self.draft_seconds = _mean(self.draft_seconds, draft_seconds)
         if rows not in self.costs:
             self.costs[rows] = profile()
-        by_width = self.costs[rows]
-        return verify_budget(confidence.float().tolist(), drafted, self.draft_seconds,
-                             lambda tokens: _interpolate(by_width, tokens / rows))
+        self._last = confidence.float().tolist()
+        width = verify_width(self.estimate.survival(self._last), drafted, self.draft_seconds,
+                             self.costs[rows])
+        return [min(width, n) for n in drafted]
+
+    def observe(self, verified: list[int], accepted: list[int], seconds: float) -> None:
+        """The step's outcome: drafts verified and accepted per row (the estimate learns) and
+        the verify's measured time (the cost at its width is refreshed)."""
+        if not self._last:
+            return
+        self.estimate.observe(self._last, verified, accepted)
+        by_width = self.costs[len(verified)]
+        w = min(max(verified, default=0), len(by_width) - 1)
+        by_width[w] = _mean(by_width[w], seconds)
+        self._last = []
 
 
-def _interpolate(by_width: list[float], width: float) -> float:
-    """Seconds of a forward ``width`` tokens per row wide (1-based; linear between widths)."""
-    lo = min(max(int(width), 1), len(by_width))
-    if lo >= len(by_width):
-        return by_width[-1]
-    frac = width - lo
-    return by_width[lo - 1] + frac * (by_width[lo] - by_width[lo - 1])
+def _mean(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - _EMA) * old + _EMA * new
 
 
 def time_forward(run: Callable[[], None], device: torch.device) -> float:

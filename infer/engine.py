@@ -282,7 +282,11 @@ class LLM:
             # host -> device copies above, before the proposer queues GPU work they would wait for
             plan = plan_step(reqs, self.spec, self.generator, self.device)
             proposal = self._propose(reqs, plan)
+            start = time.perf_counter()
             verified = strategy_for(proposal, plan)(self.runner, rows, proposal, plan, new)
+            if self.adaptive is not None:  # the outcome and the verify's cost, learned from
+                self.adaptive.observe(verified.drafted, verified.accepted,
+                                      time.perf_counter() - start)
             new_tokens = [self._accept(r, e, n, a) for r, e, n, a in zip(
                 reqs, verified.emitted, verified.drafted, verified.accepted)]
             if self.proposer is not None:

@@ -8,7 +8,9 @@ value with the allowed ones listed. Every field carries an attribute docstring: 
 registered into the ``recipe`` group at import (``register_configs``), so ``python train.py
 recipe=NAME`` selects it and an unknown name makes Hydra list the available ones. The recipe's
 name is written into ``name`` (the output folder ``<output_dir>/<name>``), so recipe files state
-deltas only.
+deltas only. The ``drafter`` and ``objective`` sections are the chosen method's own dataclasses
+(``train/methods/``), options of the ``drafter`` / ``objective`` groups; each field declares its
+rule and whether a resumed run must match it beside it (``setting(default, rule, resume=...)``).
 """
 
 from __future__ import annotations
