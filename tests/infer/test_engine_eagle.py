@@ -10,12 +10,11 @@ import infer.graphs
 from infer.drafters.eagle import EagleConfig, EagleDrafter
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from infer.engine import LLM
-from infer.runner import ModelRunner
 from infer.foundation.errors import FileFormatError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
-from .conftest import save_tiny_llama
+from .conftest import price_verification_flat, save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -58,8 +57,8 @@ def heads(tmp_path_factory, target4):
                                                      (5, 4, False), (5, 4, True)])
 def test_greedy_equals_autoregressive(target4, heads, method, k, max_num_seqs, adaptive,
                                       monkeypatch):
-    if adaptive:  # verification priced flat: every draft pays, so the counts below hold
-        monkeypatch.setattr(ModelRunner, "profile_verify", lambda self, reqs, slots, w: [1.0] * w)
+    if adaptive:
+        price_verification_flat(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
     spec = {"method": method, "model": heads[method], "num_speculative_tokens": k,

@@ -6,11 +6,10 @@ import torch
 
 from infer.drafters.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from infer.engine import LLM
-from infer.runner import ModelRunner
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
-from .conftest import save_tiny_llama
+from .conftest import price_verification_flat, save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -47,8 +46,8 @@ def spec_dirs(tmp_path_factory, target):
 @pytest.mark.parametrize("k,max_num_seqs,adaptive", [(1, 4, False), (3, 2, False), (3, 4, True)])
 def test_greedy_equals_autoregressive(target, base, spec_dirs, kind, k, max_num_seqs, adaptive,
                                       monkeypatch):
-    if adaptive:  # verification priced flat: every draft pays, so the counts below hold
-        monkeypatch.setattr(ModelRunner, "profile_verify", lambda self, reqs, slots, w: [1.0] * w)
+    if adaptive:
+        price_verification_flat(monkeypatch)
     spec = {"method": "mlp_speculator", "model": spec_dirs[kind], "num_speculative_tokens": k,
             "enable_adaptive_verification": adaptive}
     llm = LLM(target, speculative_config=spec, max_num_seqs=max_num_seqs)

@@ -8,12 +8,11 @@ import torch
 
 from infer.drafters.dflash import DFlashConfig, DFlashDrafter
 from infer.engine import LLM
-from infer.runner import ModelRunner
 from infer.foundation.errors import ConfigError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
-from ..conftest import save_tiny_llama
+from ..conftest import price_verification_flat, save_tiny_llama
 from .conftest import check_cuda_graph_drafts, check_static_drafts
 from ..test_engine_sampling import K, N, PROMPT, chi2_pvalue, exact_laws, sample
 
@@ -56,8 +55,8 @@ def heads(target4, tmp_path_factory):
                                                      (4, 4, False), (4, 4, True)])
 def test_greedy_equals_autoregressive(target4, heads, head, k, max_num_seqs, adaptive,
                                       monkeypatch):
-    if adaptive:  # verification priced flat: every draft pays, so the counts below hold
-        monkeypatch.setattr(ModelRunner, "profile_verify", lambda self, reqs, slots, w: [1.0] * w)
+    if adaptive:
+        price_verification_flat(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
     spec = {"model": heads[head], "num_speculative_tokens": k,  # method inferred
