@@ -21,12 +21,12 @@ measured time. Only how many drafts are judged changes, not how: lossless.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Callable
 
 import torch
+
+from infer.timing import Timer
 
 _REPEATS = 3  # timed forwards per width when profiling; the median is kept
 _BINS = 10  # confidence bins of the acceptance estimate
@@ -127,13 +127,8 @@ def _mean(old: float, new: float) -> float:
 
 def time_forward(run: Callable[[], None], device: torch.device) -> float:
     """The median wall time of ``run`` over a few calls (synchronised on CUDA)."""
-    times = []
+    timer = Timer(cuda=device.type == "cuda")
     for _ in range(_REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return median(times)
+        with timer.measure():
+            run()
+    return timer.median

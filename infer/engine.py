@@ -38,14 +38,14 @@ from infer.proposers.base import (proposer_class, Proposal, Proposer, ProposerCo
                                   VerifiedStep)
 from infer.request import (Request, RequestOutput, make_requests, mask_early_stops,
                            request_output)
-from infer.runner import ModelRunner, measure
+from infer.runner import ModelRunner
 from infer.sampling import SamplingParams
 from infer.scheduler import Scheduler
 from infer.spec_config import SpeculativeConfig
 from infer.spec_step import StepRows, strategy_for
 from infer.step import StepPlan, plan_step
 from infer.target import Target
-from infer.timing import EngineTimers
+from infer.timing import EngineTimers, measure
 
 _WHERE = "LLM"
 
@@ -328,10 +328,13 @@ class LLM:
         """The drafts adaptive verification keeps (infer/adaptive.py): a prefix of each row's,
         the rest -1. ``start``: when drafting began (the draft cost it weighs)."""
         drafted = (proposal.draft_ids >= 0).sum(dim=1).tolist()  # [B] (a host sync on CUDA)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
         width = proposal.draft_ids.shape[1]
+
+        def profile() -> list[float]:  # a batch size's first step only
+            slots = torch.tensor([r.slot for r in reqs], device=self.device)
+            return self.runner.profile_verify(reqs, slots, self.k + 1)
         keep = self.adaptive.keep(proposal.confidence, drafted, time.perf_counter() - start,
-                                  lambda: self.runner.profile_verify(reqs, slots, self.k + 1))
+                                  profile)
         over = (torch.arange(width, device=self.device)[None, :]
                 >= torch.tensor(keep, device=self.device)[:, None])  # [B, w]
         return proposal.draft_ids.masked_fill(over, -1)

@@ -10,9 +10,6 @@ without ``enforce_eager`` the verify forward runs in fixed shapes captured as CU
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import ContextManager
-
 import torch
 
 from infer.adaptive import time_forward
@@ -23,7 +20,7 @@ from infer.models.groups import ForwardGroup
 from infer.models.output import FeatureSpec, ModelOutput, pad_outputs
 from infer.request import Request, prefill_groups
 from infer.target import Target
-from infer.timing import EngineTimers, Timer
+from infer.timing import EngineTimers, measure
 
 
 class ModelRunner:
@@ -124,8 +121,3 @@ class ModelRunner:
         return self.target.model(ids.to(self.device), self.cache, cache_rows(
             [r.slot for r in reqs], slots), num_tokens=n, logits_at=(n - 1)[:, None],
             aux_layer_ids=self.features.aux_layer_ids)
-
-
-def measure(timer: Timer | None, rows: int = 0) -> ContextManager:
-    """``timer.measure(rows)``, or nothing when the engine is not being timed."""
-    return timer.measure(rows) if timer is not None else nullcontext()

@@ -3,7 +3,8 @@
 An engine has ``timers = None`` (nothing measured, nothing synchronised). Set
 ``llm.timers = EngineTimers.on(llm.device)`` and every ``generate`` adds to it: the engine
 times its own steps, verify forwards, prefills and proposer calls (``LLM.speculative_step``,
-``LLM._verify``, ``LLM._prefill``, ``Proposer.propose``), so callers never patch its methods.
+``ModelRunner.verify`` / ``verify_tree``, ``ModelRunner.prefill``, ``Proposer.propose``), so
+callers never patch its methods.
 On CUDA each timed region synchronises before and after, so the time is the device's.
 """
 
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch
 
@@ -66,3 +67,8 @@ class EngineTimers:
         """Fresh timers for an engine on ``device`` (CUDA: synchronised)."""
         cuda = torch.device(device).type == "cuda"
         return cls(Timer(cuda), Timer(cuda), Timer(cuda), Timer(cuda))
+
+
+def measure(timer: Timer | None, rows: int = 0) -> ContextManager:
+    """``timer.measure(rows)``, or nothing when the engine is not being timed."""
+    return timer.measure(rows) if timer is not None else nullcontext()

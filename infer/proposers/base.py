@@ -219,6 +219,11 @@ def pad_drafts(drafts: list[list[int]], k: int, device: torch.device) -> torch.T
     return out.to(device)
 
 
+def joined(confidences: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Per-step confidences ``[B, 1]`` of a chain as ``[B, k]``; None when none were asked."""
+    return torch.cat(confidences, dim=1) if confidences[0] is not None else None
+
+
 def top_probability(logits: torch.Tensor) -> torch.Tensor:
     """The drafter's probability of its most likely token, ``logits [..., V] -> [...]``: how
     adaptive verification (infer/adaptive.py) ranks a draft's chance to survive."""

@@ -28,7 +28,8 @@ from infer.graphs import StaticForward
 from infer.kv_cache import KVCache, cache_rows
 from infer.models.groups import ForwardGroup
 from infer.models.loader import load_model
-from infer.proposers.base import PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext
+from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
+                                  joined)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.draft_config import draft_config_path, read_draft_config
 from infer.spec_config import SpeculativeConfig
@@ -123,14 +124,15 @@ class DraftModelProposer(Proposer):
         logits = self._forward_ragged(feeds, rows, 1, backlogs)  # [B, 1, vocab]
         tokens, probs, conf = [], [], []
         for step in range(batch.k):
+            if self.bridge is not None:  # greedy over the intersection, no distribution
+                logits = self.bridge.mask(logits)
             tok, q = self._choose(logits, batch)  # [B, 1], [B, 1, vocab]
             tokens.append(tok)
             probs.append(q)
-            conf.append(self.confidence(self.bridge.mask(logits) if self.bridge else logits))
+            conf.append(self.confidence(logits))  # [B, 1] or None
             if step + 1 < batch.k:
                 logits = self._decode(tok, slots, rows, batch, step)  # [B, 1, vocab]
-        confidence = torch.cat(conf, dim=1) if conf[0] is not None else None  # [B, k]
-        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1), confidence
+        return torch.cat(tokens, dim=1), torch.cat(probs, dim=1), joined(conf)
 
     def _decode(self, tok: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None,
                 batch: DraftBatch, step: int) -> torch.Tensor:
@@ -161,8 +163,6 @@ class DraftModelProposer(Proposer):
 
     def _choose(self, logits: torch.Tensor, batch: DraftBatch):
         """Draft tokens ``[B, n]`` and the draft distribution ``[B, n, vocab]`` they came from."""
-        if self.bridge is not None:  # greedy over the intersection, no distribution
-            logits = self.bridge.mask(logits)
         temperature = batch.temperature if batch.temperature is not None else 0.0
         q = logits_to_probs(logits, temperature, batch.top_k, batch.top_p)  # [B, n, vocab]
         if self.sample:

@@ -40,7 +40,7 @@ from infer.models.groups import ForwardGroup
 from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
-                                  VerifiedStep)
+                                  VerifiedStep, joined)
 from infer.rejection import argmax_verify
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
@@ -182,8 +182,7 @@ class EagleChainProposer(Proposer):
                 logits, hidden = self._decode(tok, hidden, slots, rows, batch, step)
         draft_probs = torch.cat(probs, dim=1) if self.sample else None  # [B, k, vocab]
         siblings = torch.cat(sibs, dim=1) if sibs else None  # [B, k, S]
-        confidence = torch.cat(conf, dim=1) if conf[0] is not None else None  # [B, k]
-        return Proposal(torch.cat(tokens, dim=1), draft_probs, siblings, confidence)  # [B, k]
+        return Proposal(torch.cat(tokens, dim=1), draft_probs, siblings, joined(conf))  # [B, k]
 
     def catch_up(self, c: CatchUp, ids: Tensor, feats: Tensor, num_tokens: Tensor | None,
                  logits_at: Tensor) -> tuple[Tensor, Tensor]:

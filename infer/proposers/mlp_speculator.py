@@ -26,7 +26,7 @@ from infer.drafters.mlp_speculator import MLPSpeculator
 from infer.models.llama import inference_layout
 from infer.models.output import FeatureSpec, ModelOutput
 from infer.proposers.base import (PROPOSERS, DraftBatch, Proposal, Proposer, ProposerContext,
-                                  VerifiedStep)
+                                  VerifiedStep, joined)
 from infer.sampling import logits_to_probs, sample_from_probs
 from infer.spec_config import SpeculativeConfig
 from infer.foundation.validation import config_error
@@ -95,9 +95,9 @@ class MLPSpeculatorProposer(Proposer):
             tok, q = self._choose(logits, batch)
             tokens.append(tok)
             probs.append(q)
-            conf.append(self.confidence(logits))  # [B] or None
+            conf.append(self.confidence(logits[:, None]))  # [B, 1] or None
         draft_ids = torch.stack(tokens, dim=1)  # [B, k]
-        confidence = torch.stack(conf, dim=1) if conf[0] is not None else None  # [B, k]
+        confidence = joined(conf)  # [B, k] or None
         draft_probs = torch.stack(probs, dim=1) if self.sample else None  # [B, k, vocab]
         if k < batch.k:  # engine asked for more than we draft: -1 suffix
             pad = draft_ids.new_full((draft_ids.shape[0], batch.k - k), -1)
