@@ -177,9 +177,16 @@ def mimo_target(tmp_path_factory):
     return save_tiny_mimo(tmp_path_factory.mktemp("mimo"), seed=2, std=0.3)
 
 
-def price_verification_flat(monkeypatch) -> None:
-    """Adaptive verification with every verify width profiled at the same cost: every draft
-    pays, so a test's draft counts do not depend on this machine's timings."""
+def price_verification(monkeypatch, costs: list[float] | None = None) -> None:
+    """Adaptive verification priced by the test, not this machine: the verify forward at width
+    ``w`` costs ``costs[w]`` (by default every width the same: every draft pays), and the
+    engine's clock stands still (draft and verify seconds read 0, so a used width's cost only
+    falls). A test's draft counts then do not depend on this machine's timings."""
+    from types import SimpleNamespace
+
+    import infer.engine
     from infer.runner import ModelRunner
 
-    monkeypatch.setattr(ModelRunner, "profile_verify", lambda self, reqs, slots, w: [1.0] * w)
+    monkeypatch.setattr(ModelRunner, "profile_verify",
+                        lambda self, reqs, slots, w: (costs or [1.0] * w)[:w])
+    monkeypatch.setattr(infer.engine, "time", SimpleNamespace(perf_counter=lambda: 0.0))

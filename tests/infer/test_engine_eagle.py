@@ -14,7 +14,7 @@ from infer.foundation.errors import FileFormatError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
-from .conftest import price_verification_flat, save_tiny_llama
+from .conftest import price_verification, save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -58,7 +58,7 @@ def heads(tmp_path_factory, target4):
 def test_greedy_equals_autoregressive(target4, heads, method, k, max_num_seqs, adaptive,
                                       monkeypatch):
     if adaptive:
-        price_verification_flat(monkeypatch)
+        price_verification(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
     spec = {"method": method, "model": heads[method], "num_speculative_tokens": k,

@@ -9,7 +9,7 @@ from infer.engine import LLM
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
-from .conftest import price_verification_flat, save_tiny_llama
+from .conftest import price_verification, save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -47,7 +47,7 @@ def spec_dirs(tmp_path_factory, target):
 def test_greedy_equals_autoregressive(target, base, spec_dirs, kind, k, max_num_seqs, adaptive,
                                       monkeypatch):
     if adaptive:
-        price_verification_flat(monkeypatch)
+        price_verification(monkeypatch)
     spec = {"method": "mlp_speculator", "model": spec_dirs[kind], "num_speculative_tokens": k,
             "enable_adaptive_verification": adaptive}
     llm = LLM(target, speculative_config=spec, max_num_seqs=max_num_seqs)

@@ -12,7 +12,7 @@ from infer.foundation.errors import ConfigError
 from infer.models.loader import load_config
 from infer.sampling import SamplingParams
 
-from ..conftest import price_verification_flat, save_tiny_llama
+from ..conftest import price_verification, save_tiny_llama
 from .conftest import check_cuda_graph_drafts, check_static_drafts
 from ..test_engine_sampling import K, N, PROMPT, chi2_pvalue, exact_laws, sample
 
@@ -56,7 +56,7 @@ def heads(target4, tmp_path_factory):
 def test_greedy_equals_autoregressive(target4, heads, head, k, max_num_seqs, adaptive,
                                       monkeypatch):
     if adaptive:
-        price_verification_flat(monkeypatch)
+        price_verification(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
     spec = {"model": heads[head], "num_speculative_tokens": k,  # method inferred
