@@ -34,25 +34,33 @@ from infer.foundation.atomic import atomic_file, remove_leftovers, write_text
 from infer.foundation.errors import MissingFileError
 from infer.foundation.files import read_json
 from infer.models.llama import Llama
-from infer.models.loader import load_config, resolve_dtype, resolve_model_dir, weight_files
+from infer.models.loader import resolve_dtype, resolve_model_dir, weight_files
 from infer.foundation.validation import check_choice, config_error
 from train import fingerprint
 from infer.foundation.threads import GOVERNOR
 from train.config import FeatureMode, FeaturesConfig, StorageDtype
 from train.data import collate, document_attention_mask
 from train.frozen_target import FrozenTarget, most_over_ranks
+from infer.models.foreign import target_config
+from train.hf_target import TransformersTarget
 from train.objectives.base import FeatureSpec
 
 
 @torch.no_grad()
-def capture(target: Llama, batch: dict[str, Tensor], spec: FeatureSpec) -> dict[str, Tensor]:
-    """``batch`` plus ``aux [B, T, n * H]`` / ``hidden [B, T, H]`` from one target forward."""
+def capture(target: Llama | TransformersTarget, batch: dict[str, Tensor],
+            spec: FeatureSpec) -> dict[str, Tensor]:
+    """``batch`` plus ``aux [B, T, n * H]`` / ``hidden [B, T, H]`` from one target forward
+    (the engine's model, or transformers' for an architecture the engine lacks)."""
     if not spec.needs_target:
         return batch
-    out = target.forward_train(batch["input_ids"], batch["position_ids"],
-                               document_attention_mask(batch["doc_ids"]),
-                               aux_layer_ids=spec.aux_layer_ids,
-                               logits_at=batch["input_ids"].new_zeros(len(batch["input_ids"]), 1))
+    if isinstance(target, TransformersTarget):
+        out = target.streams(batch["input_ids"], batch["position_ids"], batch["doc_ids"],
+                             spec.aux_layer_ids)
+    else:
+        out = target.forward_train(batch["input_ids"], batch["position_ids"],
+                                   document_attention_mask(batch["doc_ids"]),
+                                   aux_layer_ids=spec.aux_layer_ids, logits_at=batch[
+                                       "input_ids"].new_zeros(len(batch["input_ids"]), 1))
     batch = dict(batch)
     if spec.aux_layer_ids:
         batch["aux"] = torch.cat(out.aux, dim=-1)  # [B, T, n * H], sorted id order
@@ -64,7 +72,7 @@ def capture(target: Llama, batch: dict[str, Tensor], spec: FeatureSpec) -> dict[
 class OnlineFeatures:
     """Callable the trainer applies to every batch on the device: adds the target features."""
 
-    def __init__(self, target: Llama, spec: FeatureSpec):
+    def __init__(self, target: Llama | TransformersTarget, spec: FeatureSpec):
         self.target, self.spec = target, spec
 
     def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -241,7 +249,7 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
         remove_leftovers(cache / "*")
     barrier()
     fp = cache_fingerprint(target.dir, dataset, spec, dtype, target.dtype, rows_per_shard)
-    dims = _feature_dims(spec, load_config(target.dir).hidden_size)
+    dims = _feature_dims(spec, target_config(target.dir).hidden_size)
     n, T = fp["num_rows"], fp["seq_len"]
     if (cache / "index.json").is_file():
         index = json.loads((cache / "index.json").read_text())

@@ -37,10 +37,12 @@ from torch import Tensor, nn
 from infer.foundation.errors import FileFormatError
 from infer.foundation.files import open_safetensors, read_json
 from infer.models.llama import Llama
-from infer.models.loader import (checkpoint_tensors, load_config, load_model,
+from infer.models.loader import (checkpoint_tensors, load_model,
                                  model_config_and_dtype, native_name, resolve_dtype,
                                  resolve_model_dir, weight_files)
 from train.config import TargetSharding
+from infer.models.foreign import engine_gap, target_config
+from train.hf_target import TransformersTarget, load_transformers
 from train.objectives.base import TargetHeads
 
 
@@ -58,7 +60,7 @@ def load_target_heads(target_dir: str | Path, dtype: str | torch.dtype = "auto",
     ``dtype``: ``auto`` = the checkpoint's own dtype (as ``load_model``).
     """
     model_dir = resolve_model_dir(target_dir)
-    config = load_config(model_dir)
+    config = target_config(model_dir)
     torch_dtype = resolve_dtype(dtype, read_json(model_dir / "config.json"))
     wanted = {"embed_tokens.weight"} | ({"lm_head.weight"} if not config.tie_word_embeddings
                                         else set())
@@ -99,7 +101,8 @@ class FrozenTarget:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = str(dtype).removeprefix("torch.")
         self.sharding = TargetSharding(sharding)
-        self._model: Llama | None = None
+        self.gap = engine_gap(self.dir)  # why the engine cannot run it: through transformers
+        self._model: Llama | TransformersTarget | None = None
         self._keep_alive = None  # the sharded model's engine (DeepSpeed)
 
     @cached_property
@@ -111,8 +114,19 @@ class FrozenTarget:
         return self.sharding != TargetSharding.none
 
     @property
-    def model(self) -> Llama:
-        if self._model is None and self.sharded:
+    def backend(self) -> str:
+        """Which implementation computes the features, and why (printed by the run)."""
+        if self.gap is None:
+            return "draftsmith's engine"
+        return f"transformers (draftsmith's engine does not run it: {self.gap})"
+
+    @property
+    def model(self) -> Llama | TransformersTarget:
+        if self._model is None and self.gap is not None:
+            self._model = load_transformers(resolve_model_dir(self.dir, key="target.path"),
+                                            getattr(torch, self.dtype), self.device,
+                                            self.sharding.value)
+        elif self._model is None and self.sharded:
             loaded = load_sharded(self.dir, self.dtype, self.device, self.sharding)
             self._model, self._keep_alive = loaded.model, loaded.engine
         elif self._model is None:

@@ -27,7 +27,6 @@ import datasets
 
 from infer.foundation.atomic import atomic_dir, remove_leftovers
 from infer.foundation.errors import check_writable
-from infer.models.loader import load_config
 from infer.foundation.signals import raise_on_signals
 from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset
@@ -36,6 +35,7 @@ from train.objectives.base import OBJECTIVES, Objective, Stage, StageData
 from train.plan import RunPlan, check_offline_cache, run_plan
 from train.real.targets import local_target
 from train.frozen_target import FrozenTarget, resolve_sharding
+from infer.models.foreign import target_config
 from train.meter import PhaseClock
 from train.served_eval import ServedEval
 from train.tiny.examples import build_default_dataset
@@ -127,6 +127,8 @@ def _run(cfg: TrainConfig) -> RunResult:
     target = FrozenTarget(prepared.target_dir, cfg.target.dtype, state.device, sharding)
     if target.sharded and state.is_main_process:
         print(f"target sharded across {state.num_processes} ranks ({sharding.value})", flush=True)
+    if state.is_main_process:
+        print(f"target features through {target.backend}", flush=True)
     # Again: building the embedded target or regenerating answers draws from the global RNG
     # only when their caches are cold, and the drafter's initial weights must not depend on
     # that (measured: a cold and a warm `make demo` trained heads 6 % apart in acceptance).
@@ -155,7 +157,10 @@ def _run(cfg: TrainConfig) -> RunResult:
         export(objective, result, cfg.final_dir, state)
         clock.lap("export")
         report = None
-        if cfg.eval.enabled and state.is_main_process:
+        if cfg.eval.enabled and state.is_main_process and target.gap is not None:
+            print(f"evaluation skipped: draftsmith's engine does not run the target "
+                  f"({target.gap}); serve {cfg.final_dir} with vLLM (docs/any-target.md)")
+        elif cfg.eval.enabled and state.is_main_process:
             report = evaluate_drafter(cfg, prepared.target_dir, objective, logger, step)
             clock.lap("evaluation")
     finally:
@@ -229,7 +234,7 @@ def prepare_data(cfg: TrainConfig, target_dir: str | None = None, save: bool = T
     if cfg.regenerate.enabled:
         raw = regenerated(cfg, target_dir, raw, "regenerated")
     ds = tokenize(cfg, raw, tokenizer)
-    vocab_size = load_config(target_dir).vocab_size
+    vocab_size = target_config(target_dir).vocab_size
     vocab = build_draft_vocab(ds, vocab_size, cfg.drafter.draft_vocab(vocab_size))
     data_dir = cfg.run_dir / "data"
     if save:
@@ -273,7 +278,7 @@ def feature_source(cfg: TrainConfig, target: FrozenTarget, objective: Objective,
     spec, f = objective.feature_spec(), cfg.features
     if f.mode == FeatureMode.offline and spec.needs_target and cfg.data.pack:
         check_offline_cache(cache_dir, len(rows), cfg.data.max_length, spec,
-                            load_config(target.dir).hidden_size, f.dtype, f.rows_per_shard)
+                            target_config(target.dir).hidden_size, f.dtype, f.rows_per_shard)
     source = make_feature_source(cfg.features, target, rows, spec, cache_dir,
                                  rank=state.process_index, world_size=state.num_processes,
                                  barrier=state.wait_for_everyone)

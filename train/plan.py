@@ -233,7 +233,8 @@ def read_target_config(cfg: TrainConfig) -> tuple[str, ModelConfig]:
     (it is small, and its shape exists only once built)."""
     from infer.foundation.errors import MissingFileError
     from infer.foundation.files import read_json
-    from infer.models.loader import config_from_hf, load_config, resolve_model_dir
+    from infer.models.loader import resolve_model_dir
+    from infer.models.foreign import sizes_from_hf, target_config
 
     path = local_target(cfg.target.path)
     if path is None:
@@ -241,7 +242,7 @@ def read_target_config(cfg: TrainConfig) -> tuple[str, ModelConfig]:
 
         path = str(ensure_tiny_target())
     try:
-        return path, load_config(resolve_model_dir(path, key="target.path"))
+        return path, target_config(resolve_model_dir(path, key="target.path"))
     except MissingFileError:
         if Path(path).is_absolute() or path.startswith(".") or Path(path).exists():
             raise
@@ -252,7 +253,7 @@ def read_target_config(cfg: TrainConfig) -> tuple[str, ModelConfig]:
     except Exception as err:  # offline and not cached, gated, typo ...
         raise MissingFileError(f"target.path={path!r}: not a local directory and its config.json "
                                f"could not be downloaded ({type(err).__name__}: {err})") from None
-    return path, config_from_hf(read_json(Path(file)))
+    return path, sizes_from_hf(read_json(Path(file)), file)
 
 
 def _sharded_note(m: TargetMemory) -> str:

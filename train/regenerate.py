@@ -201,6 +201,7 @@ class Regenerator:
     def __init__(self, target_dir: str, cfg, seed: int, device: str,
                  template_kwargs: dict[str, Any] | None = None, context: int | None = None):
         from infer.foundation.files import load_tokenizer
+        from infer.models.foreign import engine_gap
 
         from infer import LLM, SamplingParams
 
@@ -215,6 +216,13 @@ class Regenerator:
             self.llm = VllmSession(target_dir, python=cfg.vllm_python,
                                    max_num_seqs=cfg.batch_size, max_model_len=max_len,
                                    tensor_parallel_size=cfg.tensor_parallel_size, seed=seed)
+        elif (gap := engine_gap(target_dir)) is not None:  # any causal LM transformers ships
+            from infer.eval.transformers_session import TransformersSession
+
+            print(f"regeneration through transformers' generate (draftsmith's engine does not "
+                  f"run the target: {gap}; regenerate.engine=vllm serves it faster)", flush=True)
+            self.llm = TransformersSession(target_dir, max_num_seqs=cfg.batch_size,
+                                           max_model_len=max_len, device=device, seed=seed)
         else:
             self.llm = LLM(target_dir, max_num_seqs=cfg.batch_size, max_model_len=max_len,
                            seed=seed, device=device)
@@ -302,9 +310,9 @@ def _context_len(target_dir: str, context: int | None) -> int | None:
     default."""
     if context is None:
         return None
-    from infer.models.loader import load_config
+    from infer.models.foreign import target_config
 
-    return min(context, load_config(target_dir).max_position_embeddings)
+    return min(context, target_config(target_dir).max_position_embeddings)
 
 
 def _chunk_path(out_dir: Path, i: int) -> Path:

@@ -61,6 +61,10 @@ class ServedEval:
                                f"across the ranks (target.sharding={target.sharding.value}): "
                                "served evaluation needs the whole target on one process",
                                _WHERE)
+        if target.gap is not None:  # the engine serves what it runs
+            raise config_error("eval.every_steps", ev.every_steps, "0 with a target draftsmith's "
+                               f"engine does not run ({target.gap}): served evaluation serves "
+                               "the drafter in the engine", _WHERE)
         prompts = eval_prompts(cfg, target.dir)[: ev.every_num_prompts]
         return cls(ev.every_steps, objective, target, prompts, max(ev.ks), ev.max_tokens,
                    cfg.seed)

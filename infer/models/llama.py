@@ -327,7 +327,7 @@ class Llama(nn.Module):
     def _run(self, input_ids: Tensor, positions: Tensor, masks: list, step: CacheStep | None,
              aux_layer_ids, logits_at: Tensor | None) -> ModelOutput:
         """Embed, run the layer stack, keep the requested residual streams, norm, project."""
-        aux_ids = self._check_aux_ids(aux_layer_ids)
+        aux_ids = check_aux_ids(aux_layer_ids, self.config.num_layers)
         masks = self._group_masks(masks, input_ids.device)
         keep = set(aux_ids)
         parts = self.parts(step)
@@ -366,14 +366,15 @@ class Llama(nn.Module):
                 grouped[id(m)] = group_mask(m, rep)
         return [grouped.get(id(m), m) if m is not None else None for m in masks]
 
-    def _check_aux_ids(self, aux_layer_ids) -> tuple[int, ...]:
-        ids = tuple(int(k) for k in (aux_layer_ids or ()))
-        n = self.config.num_layers
-        bad = [k for k in ids if not 0 <= k <= n]
-        if bad:
-            raise ValueError(f"invalid value for 'aux_layer_ids': {list(ids)}; expected ids in "
-                             f"[0, {n}] (0 = embeddings, {n} = last layer before the final norm)")
-        return ids
+
+def check_aux_ids(aux_layer_ids, n: int) -> tuple[int, ...]:
+    """Residual-stream ids of an ``n``-layer model (vLLM's aux-layer ids), checked."""
+    ids = tuple(int(k) for k in (aux_layer_ids or ()))
+    bad = [k for k in ids if not 0 <= k <= n]
+    if bad:
+        raise ValueError(f"invalid value for 'aux_layer_ids': {list(ids)}; expected ids in "
+                         f"[0, {n}] (0 = embeddings, {n} = last layer before the final norm)")
+    return ids
 
 
 def fuse_projections(module: nn.Module) -> nn.Module:

@@ -96,7 +96,8 @@ def rope_from_hf(hf: dict) -> RopeConfig:
                       original_max_position_embeddings=original, **opt)
 
 
-def _token_ids(value) -> tuple[int, ...]:
+def token_ids(value) -> tuple[int, ...]:
+    """A config's token id field (an int, a list or None) as a tuple."""
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
@@ -127,7 +128,7 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     attention_bias = bool(hf.get("attention_bias", False))
     window, sliding_layers = _sliding(hf, spec, layers)
-    eos = _token_ids(generation.get("eos_token_id")) + _token_ids(hf.get("eos_token_id"))
+    eos = token_ids(generation.get("eos_token_id")) + token_ids(hf.get("eos_token_id"))
     bos = generation.get("bos_token_id", hf.get("bos_token_id"))
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,

@@ -45,15 +45,42 @@ def chat_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def save_train_target(path, *, layers: int = 4, hidden: int = 64, seed: int = 0) -> str:
+def _foreign(name: str, **common):
+    """A tiny random model of an architecture draftsmith's engine does not run (transformers'
+    own classes; sliding windows and experts small enough to matter at these lengths)."""
+    import transformers as tf
+
+    layers = common["num_hidden_layers"]
+    sliding = dict(sliding_window=8, layer_types=[
+        "full_attention" if i == layers - 1 else "sliding_attention" for i in range(layers)])
+    experts = dict(num_experts_per_tok=2, head_dim=16)
+    kinds = {
+        "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, dict(head_dim=16, **sliding)),
+        "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config, {}),
+        "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig,
+                      dict(num_experts=4, moe_intermediate_size=32, **experts)),
+        "gpt_oss": (tf.GptOssForCausalLM, tf.GptOssConfig,
+                    dict(num_local_experts=4, **experts, **sliding,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    }
+    model_cls, config_cls, extra = kinds[name]
+    return model_cls(config_cls(**common, **extra))
+
+
+FOREIGN = ("gemma3", "phi3", "qwen3_moe", "gpt_oss")
+
+
+def save_train_target(path, *, layers: int = 4, hidden: int = 64, seed: int = 0,
+                      arch: str = "llama") -> str:
+    """A random target with the code tokenizer: Llama, or one of ``FOREIGN``."""
     tok = train_tokenizer(CODE * 4, vocab_size=400)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=False,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None)
-    model = LlamaForCausalLM(cfg)
+    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=False,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  bos_token_id=None)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else _foreign(arch, **common)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim > 1:

@@ -188,3 +188,29 @@ def test_train_py_on_two_ranks_with_a_sharded_target_trains_the_same_head(tmp_pa
         assert heads[name].keys() == heads["none"].keys()
         for k, v in heads["none"].items():
             assert torch.equal(heads[name][k], v), (name, k)
+
+
+@pytest.mark.slow
+def test_a_target_through_transformers_shards_the_same_way(tmp_path, chat_file):
+    """An architecture the engine lacks (Phi-3, through transformers) on two ranks: FSDP
+    (online) and ZeRO-3 (offline cache) export the replicated run's head, bit for bit."""
+    from .conftest import save_train_target
+
+    target = save_train_target(tmp_path / "phi3", arch="phi3")
+    base = ["train.py", "recipe=tiny_eagle3", f"target.path={target}",
+            f"data.source={chat_file}", "data.max_length=128", "drafter.draft_vocab_size=128",
+            "trainer.max_steps=3", "trainer.micro_batch_size=2", "trainer.device=cpu",
+            "logger.kind=none", "eval.enabled=false", "objective.ttt_steps=2",
+            "regenerate.enabled=false"]
+    runs = {"none": [], "fsdp": [], "zero3": ["features.mode=offline", "features.dtype=float32",
+                                              "features.rows_per_shard=4"]}
+    heads = {}
+    for name, extra in runs.items():
+        out = launch(*base, f"output_dir={tmp_path / name}", f"target.sharding={name}", *extra)
+        assert "target features through transformers" in out.stdout, out.stdout[-2000:]
+        said = f"target sharded across 2 ranks ({name})" in out.stdout
+        assert said == (name != "none"), out.stdout[-2000:]
+        heads[name] = load_file(tmp_path / name / "tiny_eagle3" / "final" / "model.safetensors")
+    for name in ("fsdp", "zero3"):
+        for k, v in heads["none"].items():
+            assert torch.equal(heads[name][k], v), (name, k)

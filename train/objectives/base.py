@@ -56,10 +56,18 @@ def from_end(ids, num_layers: int) -> list:
             else k for k in ids]
 
 
-def last_layer_state(target_dir: str | Path, num_layers: int) -> tuple[dict[str, Tensor], Tensor]:
+LLAMA_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+               "post_attention_layernorm")  # the weights a head copies from the target's layer
+
+
+def last_layer_state(target_dir: str | Path, num_layers: int,
+                     key: str) -> tuple[dict[str, Tensor], Tensor]:
     """The target's last decoder layer (names without ``model.layers.{n - 1}.``) and its final
     norm, float32, read from the checkpoint: the start of a head built from the target (the MTP
-    objective's fresh layer, EAGLE-3's ``drafter.layer_from_target``)."""
+    objective's fresh layer, EAGLE-3's ``drafter.layer_from_target``). A layer that is not
+    Llama-shaped (Phi-3's fused projections, Gemma's extra norms) is refused naming ``key``,
+    the setting that asked for the copy."""
     from infer.foundation.files import open_safetensors
     from infer.models.loader import weight_files
 
@@ -71,6 +79,14 @@ def last_layer_state(target_dir: str | Path, num_layers: int) -> tuple[dict[str,
                     layer[name.removeprefix(prefix)] = f.get_tensor(name).float()
                 elif name == "model.norm.weight":
                     norm = f.get_tensor(name).float()
+    missing = sorted({f"{p}.weight" for p in LLAMA_LAYER} - layer.keys()) + (
+        ["model.norm.weight"] if norm is None else [])
+    if missing:
+        from infer.foundation.validation import config_error
+
+        raise config_error(key, True, "a target whose last layer has the Llama-shaped weights "
+                           f"a head copies; {target_dir} lacks {', '.join(missing)}",
+                           "train config")
     return layer, norm
 
 

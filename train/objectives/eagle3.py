@@ -250,7 +250,7 @@ def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path, num_lay
     norms the target's input norm, the final norm the target's, and ``fc`` the identity on the
     last aux stream, so the head starts as one more target layer over the target's deepest
     captured state, and training moves it to predicting one token further."""
-    state, final_norm = last_layer_state(target_dir, num_layers)
+    state, final_norm = last_layer_state(target_dir, num_layers, "drafter.layer_from_target")
     layer, h = drafter.layers[0], drafter.config.layer.hidden_size
     have, want = layer.mlp.gate_proj.weight.shape, state["mlp.gate_proj.weight"].shape
     if have != want:  # [intermediate, H]: only the widths of the target's own layer fit
