@@ -43,7 +43,13 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ArchSpec("qwen3", qkv_bias=None, qk_norm=True, sliding="layer_types"),
     # Xiaomi MiMo: the Qwen2 body; its MTP layers (model.mtp_layers.*) are infer/drafters/mtp.py's
     "MiMoForCausalLM": ArchSpec("mimo", qkv_bias=True, qk_norm=False, sliding="layer_types"),
+    # Phi-3 / Phi-4: the Llama body with q/k/v and gate/up stored fused (split at load, below)
+    "Phi3ForCausalLM": ArchSpec("phi3", qkv_bias=False, qk_norm=False, sliding="all"),
 }
+#: fused checkpoint weights (Phi-3) -> the native parts, in the order they are stacked
+FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                       "self_attn.v_proj.weight"),
+         "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,6 +86,10 @@ def rope_from_hf(hf: dict) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise config_error("rope_type", rope_type, f"one of {', '.join(ROPE_TYPES)}", "config.json")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise config_error("partial_rotary_factor", partial, "1.0 (RoPE over the whole head; "
+                           "partial rotary is not supported)", "config.json")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     keys = ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale",
             "mscale_all_dim", "truncate")
@@ -270,7 +280,7 @@ def checkpoint_tensors(model_dir: Path, config: ModelConfig, parameters
     names and shapes of the whole checkpoint are checked against them, from the safetensors
     headers, before the first tensor is read."""
     expected = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in parameters}
-    entries: dict[Path, list[tuple[str, str]]] = {}
+    entries: dict[Path, list[tuple[str, str, slice | None]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for file in weight_files(model_dir):
         with open_safetensors(file) as f:
@@ -278,10 +288,29 @@ def checkpoint_tensors(model_dir: Path, config: ModelConfig, parameters
                 name = native_name(hf_name)
                 if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                entries.setdefault(file, []).append((name, hf_name))
-                shapes[name] = tuple(f.get_slice(hf_name).get_shape())
+                shape = tuple(f.get_slice(hf_name).get_shape())
+                for part, rows in fused_parts(name, shape, config):
+                    entries.setdefault(file, []).append((part, hf_name, rows))
+                    shapes[part] = shape if rows is None else (rows.stop - rows.start, *shape[1:])
     check_tensors(model_dir, expected, shapes, f" (for {config.architecture})")
     for file, names in entries.items():
         with open_safetensors(file) as f:
-            for name, hf_name in names:
-                yield name, f.get_tensor(hf_name)
+            for name, hf_name, rows in names:
+                yield name, f.get_tensor(hf_name) if rows is None else f.get_slice(hf_name)[rows]
+
+
+def fused_parts(name: str, shape: tuple[int, ...], config: ModelConfig
+                ) -> list[tuple[str, slice | None]]:
+    """A checkpoint tensor's native names and the rows each takes: itself whole (None), or the parts
+    of a fused q/k/v or gate/up weight (``FUSED``), in the order they are stacked."""
+    suffix = next((k for k in FUSED if name.endswith(k)), None)
+    if suffix is None:
+        return [(name, None)]
+    prefix = name.removesuffix(suffix)
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    sizes = (q, kv, kv) if suffix.startswith("self_attn") else (config.intermediate_size,) * 2
+    if sum(sizes) != shape[0]:
+        raise FileFormatError(f"{name} has {shape[0]} rows, expected {sum(sizes)} (the fused "
+                              f"parts {' + '.join(map(str, sizes))} of its config.json)")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(prefix + part, slice(a, a + n)) for part, a, n in zip(FUSED[suffix], starts, sizes)]

@@ -10,7 +10,7 @@
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from infer.engine import LLM
 from infer.metrics import SpecMetrics
@@ -68,7 +68,7 @@ def draft_spec(draft, k, **extra):
 
 def hf_generate(model_dir, prompts, max_new_tokens, **kwargs):
     """transformers' greedy generate, one prompt at a time (no padding involved)."""
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     outs = []
     with torch.no_grad():
         for p in prompts:
@@ -269,6 +269,22 @@ def test_matches_transformers_generate_with_eos(eos_target, twin_draft, engine_p
     assert any(e[-1] == eos and len(e) < 20 for e in expected)
     assert reference(target, engine_prompts, 20) == expected
     _, outs = generate(target, engine_prompts, greedy(20), draft_spec(twin_draft, 3))
+    assert token_ids(outs) == expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_phi3_matches_transformers_generate(tmp_path, engine_prompts, method):
+    """A Phi-3 target (q/k/v and gate/up fused in its checkpoint, split at load; a sliding
+    window on every layer, shorter than the outputs), served speculatively."""
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(vocab_size=96, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               sliding_window=6, pad_token_id=0, eos_token_id=None,
+                               bos_token_id=None)).save_pretrained(tmp_path)
+    expected = hf_generate(str(tmp_path), engine_prompts, 16)
+    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    spec = spec if method == "ngram" else {"method": "suffix", "num_speculative_tokens": 3}
+    _, outs = generate(str(tmp_path), engine_prompts, greedy(16), spec)
     assert token_ids(outs) == expected
 
 

@@ -56,7 +56,7 @@ def _foreign(name: str, **common):
     experts = dict(num_experts_per_tok=2, head_dim=16)
     kinds = {
         "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, dict(head_dim=16, **sliding)),
-        "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config, {}),
+        "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config, {}),
         "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig,
                       dict(num_experts=4, moe_intermediate_size=32, **experts)),
         "gpt_oss": (tf.GptOssForCausalLM, tf.GptOssConfig,
@@ -67,7 +67,7 @@ def _foreign(name: str, **common):
     return model_cls(config_cls(**common, **extra))
 
 
-FOREIGN = ("gemma3", "phi3", "qwen3_moe", "gpt_oss")
+FOREIGN = ("gemma3", "olmo2", "qwen3_moe", "gpt_oss")
 
 
 def save_train_target(path, *, layers: int = 4, hidden: int = 64, seed: int = 0,

@@ -192,11 +192,11 @@ def test_train_py_on_two_ranks_with_a_sharded_target_trains_the_same_head(tmp_pa
 
 @pytest.mark.slow
 def test_a_target_through_transformers_shards_the_same_way(tmp_path, chat_file):
-    """An architecture the engine lacks (Phi-3, through transformers) on two ranks: FSDP
+    """An architecture the engine lacks (Gemma 3, through transformers) on two ranks: FSDP
     (online) and ZeRO-3 (offline cache) export the replicated run's head, bit for bit."""
     from .conftest import save_train_target
 
-    target = save_train_target(tmp_path / "phi3", arch="phi3")
+    target = save_train_target(tmp_path / "gemma3", arch="gemma3")
     base = ["train.py", "recipe=tiny_eagle3", f"target.path={target}",
             f"data.source={chat_file}", "data.max_length=128", "drafter.draft_vocab_size=128",
             "trainer.max_steps=3", "trainer.micro_batch_size=2", "trainer.device=cpu",

@@ -56,37 +56,33 @@ def from_end(ids, num_layers: int) -> list:
             else k for k in ids]
 
 
-LLAMA_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-               "post_attention_layernorm")  # the weights a head copies from the target's layer
-
-
-def last_layer_state(target_dir: str | Path, num_layers: int,
+def last_layer_state(target_dir: str | Path, config: ModelConfig,
                      key: str) -> tuple[dict[str, Tensor], Tensor]:
-    """The target's last decoder layer (names without ``model.layers.{n - 1}.``) and its final
-    norm, float32, read from the checkpoint: the start of a head built from the target (the MTP
-    objective's fresh layer, EAGLE-3's ``drafter.layer_from_target``). A layer that is not
-    Llama-shaped (Phi-3's fused projections, Gemma's extra norms) is refused naming ``key``,
-    the setting that asked for the copy."""
+    """The target's last decoder layer (native names, without ``model.layers.{n - 1}.``; fused
+    Phi-3 weights split) and its final norm, float32, read from the checkpoint: the start of a
+    head built from the target (the MTP objective's fresh layer, EAGLE-3's
+    ``drafter.layer_from_target``). The head is a Llama-shaped layer, so a target the engine
+    does not run (Gemma's extra norms, MoE experts ...) is refused naming ``key``, the setting
+    that asked for the copy."""
     from infer.foundation.files import open_safetensors
-    from infer.models.loader import weight_files
+    from infer.foundation.validation import config_error
+    from infer.models.foreign import engine_gap
+    from infer.models.loader import fused_parts, weight_files
 
-    prefix, layer, norm = f"model.layers.{num_layers - 1}.", {}, None
+    gap = engine_gap(target_dir)
+    if gap is not None:
+        raise config_error(key, True, "a target draftsmith's engine runs (the head starts as a "
+                           f"copy of its Llama-shaped last layer); this one: {gap}", "train config")
+    prefix, layer, norm = f"model.layers.{config.num_layers - 1}.", {}, None
     for file in weight_files(Path(target_dir)):
         with open_safetensors(file) as f:
             for name in f.keys():
                 if name.startswith(prefix):
-                    layer[name.removeprefix(prefix)] = f.get_tensor(name).float()
+                    whole = f.get_tensor(name).float()
+                    for part, rows in fused_parts(name.removeprefix(prefix), whole.shape, config):
+                        layer[part] = whole if rows is None else whole[rows]
                 elif name == "model.norm.weight":
                     norm = f.get_tensor(name).float()
-    missing = sorted({f"{p}.weight" for p in LLAMA_LAYER} - layer.keys()) + (
-        ["model.norm.weight"] if norm is None else [])
-    if missing:
-        from infer.foundation.validation import config_error
-
-        raise config_error(key, True, "a target whose last layer has the Llama-shaped weights "
-                           f"a head copies; {target_dir} lacks {', '.join(missing)}",
-                           "train config")
     return layer, norm
 
 

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from infer.drafters.common import token_map_entry, write_checkpoint, write_token_map
 from infer.foundation.files import check_tensors, read_json
+from infer.models.llama import ModelConfig
 from infer.models.loader import resolve_model_dir
 from infer.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 from infer.foundation.validation import config_error
@@ -122,7 +123,7 @@ class Eagle3Objective(TTTObjective):
         if d.lm_head_init == LmHeadInit.target_rows:
             init_lm_head(self.drafter, heads.lm_head, vocab.target_ids())
         if d.layer_from_target:
-            init_from_last_layer(self.drafter, target_dir, heads.config.num_layers)
+            init_from_last_layer(self.drafter, target_dir, heads.config)
         if self.drafter.embed_tokens is not None:  # trained: start from the target's
             with torch.no_grad():
                 self.drafter.embed_tokens.weight.copy_(heads.embed_tokens.weight)
@@ -243,14 +244,15 @@ def init_lm_head(drafter: Eagle3Drafter, head: torch.nn.Linear, target_ids: Tens
         weight.copy_(rows.to(weight.dtype))
 
 
-def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path, num_layers: int) -> None:
+def init_from_last_layer(drafter: Eagle3Drafter, target_dir: str | Path,
+                         target: ModelConfig) -> None:
     """``drafter.layer_from_target``: layer 0 := the target's last decoder layer reading
     ``hidden_norm(g) + input_layernorm(embeds)`` through its own q/k/v (both halves of the 2H
     input get the target's projection, as FastMTP's ``[I | I]`` input projection), both input
     norms the target's input norm, the final norm the target's, and ``fc`` the identity on the
     last aux stream, so the head starts as one more target layer over the target's deepest
     captured state, and training moves it to predicting one token further."""
-    state, final_norm = last_layer_state(target_dir, num_layers, "drafter.layer_from_target")
+    state, final_norm = last_layer_state(target_dir, target, "drafter.layer_from_target")
     layer, h = drafter.layers[0], drafter.config.layer.hidden_size
     have, want = layer.mlp.gate_proj.weight.shape, state["mlp.gate_proj.weight"].shape
     if have != want:  # [intermediate, H]: only the widths of the target's own layer fit

@@ -102,7 +102,7 @@ def from_last_layer(target_dir: str | Path, target: ModelConfig) -> MTPDrafter:
                   architecture="MiMoForCausalLM")
     drafter = MTPDrafter(cfg, 1)
     layer, h = drafter.mtp_layers[0], target.hidden_size
-    state, norm = last_layer_state(target_dir, target.num_layers, "drafter=mtp")
+    state, norm = last_layer_state(target_dir, target, "drafter=mtp")
     state["final_layernorm.weight"] = norm  # o feeds the LM head as the target's norm does
     with torch.no_grad():
         for proj in ("q_proj", "k_proj", "v_proj"):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig,
-                          Qwen2Config, Qwen3Config)
+                          Phi3Config, Qwen2Config, Qwen3Config)
 
 from infer.kv_cache import KVCache
 from infer.models import (SUPPORTED_ARCHITECTURES, config_from_hf, load_model,
@@ -34,6 +34,8 @@ CASES = {
     "qwen3_qknorm_window": lambda: Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=True,
                                                use_sliding_window=True, sliding_window=4,
                                                max_window_layers=1),
+    # q/k/v and gate/up fused in the checkpoint (split at load); a window on every layer
+    "phi3_fused_window": lambda: Phi3Config(**SMALL, sliding_window=5, pad_token_id=0),
 }
 
 
@@ -277,6 +279,12 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
         load_model(tmp_path)
     assert all(name in str(err.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+def test_partial_rotary_is_refused_by_name(tmp_path):
+    Phi3Config(**SMALL, pad_token_id=0, partial_rotary_factor=0.75).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="partial_rotary_factor.*0.75"):
+        load_model(tmp_path)
 
 
 def test_missing_directory_and_config_name_the_path(tmp_path):
