@@ -252,8 +252,10 @@ class LLM:
     @property
     def _static_steps(self) -> bool:
         """Steps in fixed shapes (infer/graphs.py), captured as CUDA graphs: on CUDA unless
-        enforce_eager (CPU tests turn it on to run the same path eagerly)."""
-        return self.device.type == "cuda" and not self.enforce_eager
+        enforce_eager (CPU tests turn it on to run the same path eagerly), and not for a
+        mixture-of-experts target (its expert dispatch depends on the tokens)."""
+        return (self.device.type == "cuda" and not self.enforce_eager
+                and not self.target.model.config.num_experts)
 
     @property
     def _groups_prompts(self) -> bool:

@@ -188,6 +188,46 @@ class MLPWeights:
         return mlp(self, x)
 
 
+def moe(m: "MoELike", x: Tensor) -> Tensor:
+    """Sparse mixture of SwiGLU experts (Qwen3-MoE): each token's router softmax (float32), its
+    ``top_k`` experts weighted by their probabilities (renormalised to sum to 1 when
+    ``norm_topk_prob``), summed. ``x [B, T, H]`` -> ``[B, T, H]``. Only the experts some token
+    chose run, each on its tokens (a data-dependent dispatch: MoE targets step eagerly)."""
+    flat = x.reshape(-1, x.shape[-1])  # [N, H]
+    probs = torch.softmax(m.gate(flat).float(), dim=-1)  # [N, E]
+    weights, chosen = probs.topk(m.top_k, dim=-1)  # [N, k] each
+    if m.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(flat)
+    for e in chosen.unique().tolist():
+        tokens, slot = torch.where(chosen == e)  # [n] each
+        out.index_add_(0, tokens, m.experts[e](flat[tokens]) * weights[tokens, slot, None])
+    return out.view_as(x)
+
+
+class MoELike(Protocol):
+    """What :func:`moe` reads: a ``SparseMoE`` module or a :class:`MoEWeights`."""
+
+    gate: Callable[[Tensor], Tensor]
+    experts: Sequence[Callable[[Tensor], Tensor]]
+    top_k: int
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MoEWeights:
+    """A sparse MoE block's bundle (member names as the module's)."""
+
+    gate: Proj
+    experts: tuple[MLPWeights, ...]
+    top_k: int
+    norm_topk_prob: bool
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return moe(self, x)
+
+
 class LayerLike(Protocol):
     """What :func:`decoder_layer` reads: a ``DecoderLayer`` module or a :class:`LayerWeights`."""
 
@@ -212,7 +252,7 @@ class LayerWeights:
     input_layernorm: Norm
     self_attn: AttentionWeights
     post_attention_layernorm: Norm
-    mlp: MLPWeights
+    mlp: MLPWeights | MoEWeights
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                  step: CacheStep | None = None) -> Tensor:

@@ -1,7 +1,7 @@
-"""Native Llama-family decoder: Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3 in one class.
+"""Native Llama-family decoder: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3(-MoE), Phi-3 in one class.
 
 The families differ only in small options (``ModelConfig.qkv_bias``, ``qk_norm``, sliding
-window, RoPE scaling, tied embeddings), so there is one model with flags rather than one class per
+window, RoPE scaling, tied embeddings, sparse experts in place of the MLP), so there is one model with flags rather than one class per
 family; :mod:`infer.models.loader` maps a Hugging Face config to these flags. Module names follow
 Hugging Face's minus the ``model.`` prefix (``layers.3.self_attn.q_proj.weight``), which keeps the
 checkpoint mapping trivial and matches the names EAGLE-style drafters use for their own layers.
@@ -29,8 +29,8 @@ from infer.kv_cache import CacheStep, KVCache
 from infer.models.attention import (cache_mask, group_mask, grouped_pays, position_mask,
                                     tree_mask)
 from infer.models.functional import (AttentionWeights, Embed, LayerWeights, MLPWeights,
-                                     ModelParts, Norm, Proj, attention, decoder_layer, mlp,
-                                     rms_norm)
+                                     ModelParts, MoEWeights, Norm, Proj, attention,
+                                     decoder_layer, mlp, moe, rms_norm)
 from infer.models.groups import (ForwardGroup, GroupedStep, flat_logits_at, flat_tokens,
                                  plan_groups, split_groups)
 from infer.models.layout import FusedLinear, pack_for_cpu_
@@ -68,6 +68,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    # sparse mixture of experts (Qwen3-MoE) on ``moe_layers``; the others keep the dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -165,9 +171,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, width or cfg.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
@@ -192,13 +198,32 @@ class MLP(nn.Module):
         return mlp(self, x)
 
 
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's feed-forward: a router (``gate``) over ``experts`` SwiGLU MLPs of
+    ``moe_intermediate_size`` (:func:`~infer.models.functional.moe`); Hugging Face's names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
+        self.top_k, self.norm_topk_prob = cfg.experts_per_token, cfg.norm_topk_prob
+
+    def weights(self) -> MoEWeights:
+        return MoEWeights(proj_of(self.gate), tuple(e.weights() for e in self.experts),
+                          self.top_k, self.norm_topk_prob)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return moe(self, x)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP (:func:`decoder_layer`)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if layer_idx in cfg.moe_layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

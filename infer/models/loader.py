@@ -43,6 +43,9 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ArchSpec("qwen3", qkv_bias=None, qk_norm=True, sliding="layer_types"),
     # Xiaomi MiMo: the Qwen2 body; its MTP layers (model.mtp_layers.*) are infer/drafters/mtp.py's
     "MiMoForCausalLM": ArchSpec("mimo", qkv_bias=True, qk_norm=False, sliding="layer_types"),
+    # Qwen3's attention with a sparse mixture of experts in place of the MLP (SparseMoE)
+    "Qwen3MoeForCausalLM": ArchSpec("qwen3_moe", qkv_bias=None, qk_norm=True,
+                                    sliding="layer_types"),
     # Phi-3 / Phi-4: the Llama body with q/k/v and gate/up stored fused (split at load, below)
     "Phi3ForCausalLM": ArchSpec("phi3", qkv_bias=False, qk_norm=False, sliding="all"),
 }
@@ -153,8 +156,21 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> ModelConfig:
         mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=spec.qk_norm,
         sliding_window=window, sliding_layers=sliding_layers,
         eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=bos,
-        pad_token_id=hf.get("pad_token_id"),
+        pad_token_id=hf.get("pad_token_id"), **_experts(hf, layers),
     )
+
+
+def _experts(hf: dict, num_layers: int) -> dict:
+    """Qwen3-MoE's expert settings: which layers are sparse (every ``decoder_sparse_step``-th,
+    but not ``mlp_only_layers``), how many experts, chosen per token, of what width."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
 
 
 def resolve_model_dir(path: str | Path, key: str = "model") -> Path:

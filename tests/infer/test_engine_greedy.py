@@ -10,7 +10,8 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
+from transformers import (AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from infer.engine import LLM
 from infer.metrics import SpecMetrics
@@ -272,18 +273,32 @@ def test_matches_transformers_generate_with_eos(eos_target, twin_draft, engine_p
     assert token_ids(outs) == expected
 
 
+NEW_FAMILIES = {  # the families the engine runs beside the Llama family's own options
+    # q/k/v and gate/up fused in the checkpoint (split at load); a window on every layer,
+    # shorter than the outputs
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**FAMILY, sliding_window=6)),
+    # sparse experts in place of the MLP, 2 of 4 per token, on every layer
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **FAMILY, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+}
+FAMILY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None,
+              bos_token_id=None)
+
+
+@pytest.mark.parametrize("family", list(NEW_FAMILIES))
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_phi3_matches_transformers_generate(tmp_path, engine_prompts, method):
-    """A Phi-3 target (q/k/v and gate/up fused in its checkpoint, split at load; a sliding
-    window on every layer, shorter than the outputs), served speculatively."""
+def test_new_families_match_transformers_generate(tmp_path, engine_prompts, family, method):
+    """Phi-3 and Qwen3-MoE targets served speculatively, greedy-identical to transformers."""
     torch.manual_seed(0)
-    Phi3ForCausalLM(Phi3Config(vocab_size=96, hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               sliding_window=6, pad_token_id=0, eos_token_id=None,
-                               bos_token_id=None)).save_pretrained(tmp_path)
+    model = NEW_FAMILIES[family]()
+    with torch.no_grad():  # outputs that move (the default init decodes one token forever)
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.ndim > 1 else None
+    model.save_pretrained(tmp_path)
     expected = hf_generate(str(tmp_path), engine_prompts, 16)
-    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    spec = spec if method == "ngram" else {"method": "suffix", "num_speculative_tokens": 3}
+    assert len({tuple(e) for e in expected}) == len(expected)  # each prompt its own output
+    spec = {"method": method, "num_speculative_tokens": 3}
     _, outs = generate(str(tmp_path), engine_prompts, greedy(16), spec)
     assert token_ids(outs) == expected
 

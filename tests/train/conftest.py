@@ -57,8 +57,7 @@ def _foreign(name: str, **common):
     kinds = {
         "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, dict(head_dim=16, **sliding)),
         "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config, {}),
-        "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig,
-                      dict(num_experts=4, moe_intermediate_size=32, **experts)),
+        "stablelm": (tf.StableLmForCausalLM, tf.StableLmConfig, {}),  # LayerNorm, 1/4 rotary
         "gpt_oss": (tf.GptOssForCausalLM, tf.GptOssConfig,
                     dict(num_local_experts=4, **experts, **sliding,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
@@ -67,7 +66,7 @@ def _foreign(name: str, **common):
     return model_cls(config_cls(**common, **extra))
 
 
-FOREIGN = ("gemma3", "olmo2", "qwen3_moe", "gpt_oss")
+FOREIGN = ("gemma3", "olmo2", "gpt_oss", "stablelm")
 
 
 def save_train_target(path, *, layers: int = 4, hidden: int = 64, seed: int = 0,

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig,
-                          Phi3Config, Qwen2Config, Qwen3Config)
+                          Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from infer.kv_cache import KVCache
 from infer.models import (SUPPORTED_ARCHITECTURES, config_from_hf, load_model,
@@ -34,6 +34,10 @@ CASES = {
     "qwen3_qknorm_window": lambda: Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=True,
                                                use_sliding_window=True, sliding_window=4,
                                                max_window_layers=1),
+    # sparse experts (4, 2 per token, renormalised) on layers 1 and 2; layer 0 dense
+    "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, head_dim=16, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=24,
+                                        norm_topk_prob=True, mlp_only_layers=[0]),
     # q/k/v and gate/up fused in the checkpoint (split at load); a window on every layer
     "phi3_fused_window": lambda: Phi3Config(**SMALL, sliding_window=5, pad_token_id=0),
 }
@@ -279,6 +283,18 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
         load_model(tmp_path)
     assert all(name in str(err.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+def test_moe_layers_follow_mlp_only_layers_and_sparse_step(tmp_path):
+    from infer.models.llama import MLP, SparseMoE
+
+    save_hf(CASES["qwen3_moe"](), tmp_path)
+    model = load_model(tmp_path, dtype="float32")
+    assert [type(layer.mlp) for layer in model.layers] == [MLP, SparseMoE, SparseMoE]
+    assert model.layers[1].mlp.experts[3].gate_proj.weight.shape == (24, 64)
+    hf = {**json.loads((tmp_path / "config.json").read_text()), "mlp_only_layers": [],
+          "decoder_sparse_step": 2}
+    assert config_from_hf(hf).moe_layers == (1,)  # every second layer
 
 
 def test_partial_rotary_is_refused_by_name(tmp_path):
