@@ -38,21 +38,23 @@ log = logging.getLogger(__name__)
 
 # vLLM's method names. The schema accepts all of them; the engine decides which it serves.
 METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3", "dflash",
-           "mlp_speculator", "mtp", "medusa")
+           "dspark", "mlp_speculator", "mtp", "medusa")
 REJECTION_SAMPLE_METHODS = ("strict", "probabilistic", "block", "synthetic")  # sampler's
 # vLLM's newer spelling: the rejection test "standard" and how drafts are made; "standard" with
 # greedy drafts is "strict" (accept with p(x)), with sampled drafts "probabilistic" (the p/q test)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _REJECTION_SPELLINGS = (*REJECTION_SAMPLE_METHODS, "standard")
 
-_NEEDS_MODEL = ("draft_model", "eagle", "eagle3", "dflash", "mlp_speculator", "medusa")
+_NEEDS_MODEL = ("draft_model", "eagle", "eagle3", "dflash", "dspark", "mlp_speculator",
+                "medusa")
 # These draft from the context alone: a `model` would be silently ignored, so it is an error.
 _NO_MODEL = ("ngram", "ngram_gpu", "suffix")
 # vLLM allows parallel drafting for the EAGLE family (MTP is one) and draft models (PARD);
-# DFlash always drafts a block in one forward (vLLM forces it on), so the flag is accepted there.
-_PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp", "dflash")
+# DFlash and DSpark always draft a block in one forward (vLLM forces it on): the flag is accepted.
+_PARALLEL_DRAFTING = ("draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark")
 _PROMPT_LOOKUP_DEFAULT = 5
-_ADAPTIVE = ("draft_model", "eagle", "eagle3", "dflash", "mlp_speculator", "mtp")  # confidences
+_ADAPTIVE = ("draft_model", "eagle", "eagle3", "dflash", "dspark", "mlp_speculator",
+             "mtp")  # the drafters that give confidences
 # vLLM 0.32's deprecated per-model names of method "mtp" (a warning, then "mtp")
 MTP_ALIASES = (
     "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",

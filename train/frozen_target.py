@@ -123,9 +123,10 @@ class FrozenTarget:
     @property
     def model(self) -> Llama | TransformersTarget:
         if self._model is None and self.gap is not None:
-            self._model = load_transformers(resolve_model_dir(self.dir, key="target.path"),
-                                            getattr(torch, self.dtype), self.device,
-                                            self.sharding.value)
+            dtype = getattr(torch, self.dtype)
+            self._model = load_transformers(
+                resolve_model_dir(self.dir, key="target.path"), dtype, self.device,
+                self.sharding.value, zero3_config(self.heads.config.hidden_size, dtype))
         elif self._model is None and self.sharded:
             loaded = load_sharded(self.dir, self.dtype, self.device, self.sharding)
             self._model, self._keep_alive = loaded.model, loaded.engine

@@ -29,8 +29,6 @@ import torch
 from torch import Tensor, nn
 
 from infer.foundation.errors import ConfigError
-from infer.foundation.files import read_json
-from infer.models.foreign import foreign_config
 from infer.models.llama import check_aux_ids
 
 @dataclass
@@ -102,16 +100,19 @@ def _unpack(states: Tensor, segments, shape) -> Tensor:
 
 
 def load_transformers(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                      sharding: str = "none") -> TransformersTarget:
+                      sharding: str = "none", zero3: dict | None = None) -> TransformersTarget:
     """The target through transformers' own implementation (no remote code): replicated, or
     sharded over the default process group as the engine's model is (``fsdp``: FSDP2 on each
     decoder layer and the root, built on the CPU then moved shard by shard; ``zero3``: DeepSpeed
-    ZeRO-3, transformers building the model partitioned under ``HfDeepSpeedConfig``)."""
+    ZeRO-3 with the DeepSpeed config ``zero3``, transformers building the model partitioned
+    under ``HfDeepSpeedConfig``)."""
     from transformers import AutoModelForCausalLM
 
     engine, keep = None, None
     if sharding == "zero3":
-        keep = _zero3_context(model_dir, dtype)
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(zero3)  # kept alive while the model is built
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
                                                      trust_remote_code=False)
@@ -138,14 +139,3 @@ def _fully_shard(model: nn.Module, device: torch.device) -> None:
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-
-
-def _zero3_context(model_dir: str | Path, dtype: torch.dtype):
-    """transformers' DeepSpeed hook (kept alive while the model is built): ``from_pretrained``
-    then creates the parameters partitioned and loads each one gathered."""
-    from transformers.integrations import HfDeepSpeedConfig
-
-    from train.frozen_target import zero3_config
-
-    hidden = foreign_config(read_json(Path(model_dir) / "config.json")).hidden_size
-    return HfDeepSpeedConfig(zero3_config(hidden, dtype))

@@ -85,6 +85,8 @@ def default_aux_layer_ids(num_target_layers: int, num_draft_layers: int) -> list
 class DFlashConfig:
     """A DFlash drafter's config: the speculators ``config.json`` (z-lab's read too)."""
 
+    MODEL_TYPE = "dflash"  # speculators_model_type (DSpark's config extends this one)
+
     transformer_layer_config: dict  # HF Qwen3 config of the draft layers; vocab = target vocab
     aux_layer_ids: list[int]  # our ids (= speculators' aux_hidden_state_layer_ids), sorted
     mask_token_id: int
@@ -166,9 +168,9 @@ class DFlashConfig:
         """Parse the speculators layout, or z-lab's (``DFlashDraftModel`` + ``dflash_config``)."""
         if d.get("speculators_model_type") is None:
             return cls.from_zlab_dict(d)
-        if d.get("speculators_model_type") != "dflash":
+        if d.get("speculators_model_type") != cls.MODEL_TYPE:
             raise config_error("speculators_model_type", d.get("speculators_model_type"),
-                               "'dflash'", _WHERE)
+                               f"'{cls.MODEL_TYPE}'", f"{cls.MODEL_TYPE} config.json")
         for key in ("aux_hidden_state_layer_ids", "mask_token_id", "transformer_layer_config"):
             if d.get(key) is None:
                 raise config_error(key, None, "present (vLLM requires it too)", _WHERE)
@@ -251,6 +253,8 @@ class ContextKV:
 
 class DFlashDrafter(nn.Module):
     """The DFlash draft model (module doc); forwards over explicit positions and masks."""
+
+    CONFIG = DFlashConfig  # what from_pretrained parses (DSpark's drafter extends this one)
 
     def __init__(self, config: DFlashConfig, *, with_embedding: bool = False,
                  with_lm_head: bool | None = None):
@@ -378,9 +382,9 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = "auto",
                         device: str | torch.device = "cpu") -> "DFlashDrafter":
-        """Load a speculators or z-lab DFlash checkpoint, frozen, in eval mode."""
-        raw, state, model_dir = read_checkpoint(path, "dflash")
-        config = DFlashConfig.from_dict(raw)
+        """Load a speculators (or z-lab) checkpoint of this drafter, frozen, in eval mode."""
+        raw, state, model_dir = read_checkpoint(path, cls.CONFIG.MODEL_TYPE)
+        config = cls.CONFIG.from_dict(raw)
         state = {k.removeprefix("model."): v for k, v in state.items() if k != "t2d"}
         if any("mask_hidden" in k for k in state):
             raise config_error("mask_hidden", "present", "absent: a DFlash drafter embeds its "

@@ -43,10 +43,11 @@ class DFlashProposer(Proposer):
 
     provides_draft_probs = True
     parallel_drafting = True
+    DRAFTER = DFlashDrafter  # DSpark's proposer loads its subclass
 
     def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext) -> None:
         super().__init__(spec, ctx)
-        self.drafter = inference_layout(load_drafter(spec, ctx))  # fused / packed, frozen
+        self.drafter = inference_layout(load_drafter(spec, ctx, self.DRAFTER))  # fused, frozen
         self.k = spec.num_speculative_tokens
         block = self.drafter.config.block_size
         if self.k > block - 1:
@@ -101,8 +102,9 @@ class DFlashProposer(Proposer):
     # ---- drafting ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def block_logits(self, batch: DraftBatch) -> Tensor:
-        """Logits of the K mask rows over the draft vocabulary ``[B, K, Vd]``."""
+    def block_hidden(self, batch: DraftBatch) -> Tensor:
+        """The K mask rows' hidden states after the final norm ``[B, K, H]`` (what the LM head
+        reads; DSpark's heads read them too)."""
         device, k = self.ctx.device, min(batch.k, self.k)  # this step's k (k by batch size)
         for slot, toks in zip(batch.slots, batch.token_ids):
             if self.fed[slot] != len(toks) - 1:
@@ -120,19 +122,20 @@ class DFlashProposer(Proposer):
     def block_step(self, ids: Tensor, cache: KVCache, slots: Tensor | None, *,
                    num_tokens: Tensor | None = None, kv_len: int | None = None) -> Tensor:
         """``ids [B, 1 + K]`` at positions ``p .. p + K`` of cache rows ``slots``, the cache not
-        advanced: logits of the K mask rows ``[B, K, Vd]``. The StaticForward contract (a row
-        with ``num_tokens`` 0 writes only the scratch column; its output is dropped)."""
+        advanced: the K mask rows' normed hidden states ``[B, K, H]``. The StaticForward
+        contract (a row with ``num_tokens`` 0 writes only the scratch column; its output is
+        dropped)."""
         step = cache.plan(ids.shape[0], ids.shape[1], slots, num_tokens, kv_len)
         end = step.positions[:, -1:] + 1  # [B, 1]: keys < p + 1 + K
         keys = torch.arange(step.kv_len, device=ids.device)  # [S]
         mask = (keys[None, None, :] < end[:, :, None])[:, None]  # [B, 1, 1, S]
         mask = mask.expand(-1, -1, ids.shape[1], -1)  # [B, 1, 1 + K, S]: same keys, every row
         h = self.drafter.block_forward(ids, step.positions, mask, step)  # [B, 1 + K, H]
-        return self.drafter.logits(h[:, 1:])  # [B, K, Vd]
+        return h[:, 1:]  # [B, K, H]
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
-        logits = self.block_logits(batch)  # [B, K, Vd]
+        logits = self.drafter.logits(self.block_hidden(batch))  # [B, K, Vd]
         confidence = self.confidence(logits)  # [B, K] or None
         if not self.sample:
             return Proposal(self.drafter.to_target_ids(logits.argmax(dim=-1)),
@@ -144,11 +147,13 @@ class DFlashProposer(Proposer):
                         confidence=confidence)
 
 
-def load_drafter(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashDrafter:
-    """The checkpoint at ``spec.model``, checked against the target, sharing its embedding and
-    LM head where the checkpoint has none."""
-    drafter = DFlashDrafter.from_pretrained(spec.model, dtype=ctx.dtype, device=ctx.device)
-    cfg, target, where = drafter.config, ctx.target_config, f"dflash drafter {spec.model}"
+def load_drafter(spec: SpeculativeConfig, ctx: ProposerContext,
+                 kind: type[DFlashDrafter] = DFlashDrafter) -> DFlashDrafter:
+    """The checkpoint at ``spec.model`` as a ``kind`` drafter, checked against the target,
+    sharing its embedding and LM head where the checkpoint has none."""
+    drafter = kind.from_pretrained(spec.model, dtype=ctx.dtype, device=ctx.device)
+    cfg, target = drafter.config, ctx.target_config
+    where = f"{cfg.MODEL_TYPE} drafter {spec.model}"
     check_head_fits(where, "aux_hidden_state_layer_ids", cfg.aux_layer_ids, cfg.vocab_size,
                     cfg.target_hidden, ctx)
     shared = drafter.embed_tokens is None or drafter.lm_head is None

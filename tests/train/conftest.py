@@ -177,6 +177,7 @@ def method_cfg(method: str, **settings) -> TrainConfig:
 
 # each method's recipe on the embedded tiny target (the default recipe, tiny_eagle3, sets
 # EAGLE-3's keys, which another method's sections refuse)
-TINY_RECIPES = {"dflash": "tiny_dflash", "eagle": "tiny_eagle", "eagle3": "tiny_eagle3",
+TINY_RECIPES = {"dflash": "tiny_dflash", "dspark": "tiny_dspark", "eagle": "tiny_eagle",
+                "eagle3": "tiny_eagle3",
                 "mlp_speculator": "tiny_mlp", "mtp": "tiny_mtp", "pard": "tiny_pard",
                 "peagle": "tiny_peagle"}

@@ -12,8 +12,9 @@ from train.methods.base import METHODS
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 EXPECTED = {"tiny_eagle3", "tiny_eagle", "tiny_mlp", "tiny_pard", "tiny_peagle", "tiny_dflash",
-            "eagle3_llama8b", "eagle3_qwen3_8b", "eagle_llama8b", "mlp_llama8b", "pard_llama8b",
-            "peagle_llama8b", "dflash_qwen3_8b", "tiny_mtp", "mtp_mimo7b", "smollm2_eagle3", "smollm2_mtp", "smollm2_dflash",
+            "tiny_dspark", "eagle3_llama8b", "eagle3_qwen3_8b", "eagle_llama8b", "mlp_llama8b",
+            "pard_llama8b", "peagle_llama8b", "dflash_qwen3_8b", "dspark_qwen3_8b", "tiny_mtp",
+            "mtp_mimo7b", "smollm2_eagle3", "smollm2_mtp", "smollm2_dflash", "smollm2_dspark",
             "smollm2_peagle", "smollm2_mlp", "smollm2_pard"}
 
 

@@ -84,11 +84,12 @@ def test_eagle_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, ext
 @pytest.mark.parametrize("recipe, extra, kind", [
     ("tiny_peagle", ["objective.parallel_depths=3"], "peagle"),
     ("tiny_dflash", ["objective.block_size=4", "objective.max_anchors=8"], "dflash"),
+    ("tiny_dspark", ["objective.block_size=4", "objective.max_anchors=8"], "dspark"),
 ])
 def test_one_forward_recipes_end_to_end(tmp_path, train_target, chat_file, recipe, extra, kind):
-    """P-EAGLE and DFlash through the whole pipeline: trained, exported as their speculators
-    type, evaluated losslessly, and served from the checkpoint alone (the schema infers
-    eagle3 + parallel_drafting / dflash and k from it)."""
+    """P-EAGLE, DFlash and DSpark through the whole pipeline: trained, exported as their
+    speculators type, evaluated losslessly, and served from the checkpoint alone (the schema
+    infers eagle3 + parallel_drafting / dflash / dspark and k from it)."""
     cfg = make_cfg(tmp_path, train_target, chat_file, f"recipe={recipe}", *extra)
     final = run(cfg).final_dir
     config = json.loads((final / "config.json").read_text())
@@ -98,7 +99,7 @@ def test_one_forward_recipes_end_to_end(tmp_path, train_target, chat_file, recip
     assert recipe in {r["method"] for r in report["results"]} and report["lossless"] is True
     spec = SpeculativeConfig.parse({"model": str(final)})
     assert (spec.method, spec.num_speculative_tokens) == (
-        "eagle3" if kind == "peagle" else "dflash", 3)
+        "eagle3" if kind == "peagle" else kind, 3)
     assert spec.parallel_drafting == (kind == "peagle")
     assert greedy_lossless(train_target, {"model": str(final)}, [[5, 6, 7, 8]])
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.drafters.common import write_checkpoint
-from infer.drafters.dflash import ContextKV, DFlashConfig, DFlashDrafter, default_aux_layer_ids
+from infer.drafters.dflash import ContextKV, DFlashDrafter, default_aux_layer_ids
 from infer.foundation.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.foundation.validation import config_error
@@ -136,21 +136,29 @@ def _aux_ids(d, target, init_ids: list[int] | None) -> list[int]:
 class DFlashObjective(Objective):
     """DFlash block drafter + same-position block loss (module doc)."""
 
+    DRAFTER = DFlashDrafter  # DSpark's objective trains its subclass
+
+    @staticmethod
+    def head_settings(cfg: TrainConfig) -> dict:
+        """Config keys the drafter class adds to DFlash's (DSpark's heads); none here."""
+        return {}
+
     def __init__(self, cfg: TrainConfig, heads: TargetHeads, vocab: DraftVocab,
                  target_dir: str | Path):
         super().__init__(cfg, heads, vocab, target_dir)
         d, o, target = cfg.drafter, cfg.objective, heads.config
-        init = DFlashDrafter.from_pretrained(d.init_from) if d.init_from else None
+        init = self.DRAFTER.from_pretrained(d.init_from) if d.init_from else None
         ids = _aux_ids(d, target, list(init.aux_layer_ids) if init is not None else None)
         mask = choose_mask_token(d.mask_token_id, {"mask_token_id": init.config.mask_token_id}
                                  if init is not None else {}, vocab, target)
-        config = DFlashConfig.for_target(
+        config = self.DRAFTER.CONFIG.for_target(
             target, num_layers=d.num_layers, mask_token_id=mask, block_size=o.block_size,
             aux_layer_ids=sorted(ids), draft_vocab_size=vocab.draft_vocab_size,
             intermediate_size=d.intermediate_size,
-            verifier_name_or_path=verifier_name(cfg.target.path, self.target_dir))
+            verifier_name_or_path=verifier_name(cfg.target.path, self.target_dir),
+            **self.head_settings(cfg))
         self.block, self.max_anchors, self.gamma = o.block_size, o.max_anchors, o.decay_gamma
-        self.drafter = DFlashDrafter(config, with_embedding=bool(d.embed_requires_grad))
+        self.drafter = self.DRAFTER(config, with_embedding=bool(d.embed_requires_grad))
         self.drafter.share_target(heads.embed_tokens, heads.lm_head)
         self.drafter.set_vocab(vocab.target_ids())
         with torch.no_grad():
@@ -170,14 +178,14 @@ class DFlashObjective(Objective):
         d, init = cfg.drafter, None
         if d.init_from and not d.aux_layer_ids:  # its config.json only, no weights
             path = resolve_model_dir(d.init_from, "drafter.init_from") / "config.json"
-            init = DFlashConfig.from_dict(read_json(path)).aux_layer_ids
+            init = cls.DRAFTER.CONFIG.from_dict(read_json(path)).aux_layer_ids
         return FeatureSpec(aux_layer_ids=tuple(sorted(_aux_ids(d, target, init))), hidden=True)
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def block_logits(self, batch: dict[str, Tensor], anchors: Tensor) -> Tensor:
-        """Drafter logits of slots 1 .. Bk-1 of the blocks at ``anchors [B, A]``:
-        ``[B, A, Bk-1, Vd]`` (the same computation the proposer runs, batched)."""
+    def block_hidden(self, batch: dict[str, Tensor], anchors: Tensor) -> Tensor:
+        """Normed hidden states of slots 1 .. Bk-1 of the blocks at ``anchors [B, A]``:
+        ``[B, A, Bk-1, H]`` (the same computation the proposer runs, batched)."""
         ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["doc_ids"]  # [B, T]
         aux = batch["aux"]  # [B, T, n_t * H_t]
         want = self.drafter.fc.in_features
@@ -194,7 +202,18 @@ class DFlashObjective(Objective):
         mask = block_mask(anchors, doc, bk)  # [B, 1, A*Bk, T + A*Bk]
         h = self.drafter.block_forward(block_ids.view(b, a * bk), block_pos.view(b, a * bk),
                                        mask, kv)  # [B, A*Bk, H]
-        return self.drafter.logits(h.view(b, a, bk, -1)[:, :, 1:])  # [B, A, Bk-1, Vd]
+        return h.view(b, a, bk, -1)[:, :, 1:]  # [B, A, Bk-1, H]
+
+    def slot_logits(self, h: Tensor, ids: Tensor, at: Tensor) -> Tensor:
+        """Slot logits ``[B, A, Bk-1, Vd]`` from their hidden states ``h``; ``ids [B, T]`` and
+        ``at [B, A, Bk-1]`` (the index before each predicted token) for what DSpark adds."""
+        return self.drafter.logits(h)
+
+    def extra_loss(self, h: Tensor, logits: Tensor, target: Tensor, ids: Tensor, at: Tensor,
+                   trains: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """A loss term beside the distillation and its metrics (DSpark's confidence head);
+        none here. ``target``: the target's log-probabilities per slot ``[B, A, Bk-1, Vd]``."""
+        return logits.new_zeros(()), {}
 
     def targets(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """The target at every index: log-probabilities over the draft vocabulary
@@ -211,18 +230,21 @@ class DFlashObjective(Objective):
         loss_mask, doc = batch["loss_mask"].bool(), batch["doc_ids"]
         anchors, valid = sample_anchors(anchor_candidates(loss_mask, doc), self.max_anchors,
                                         random=self.training)
-        logits = self.block_logits(batch, anchors)  # [B, A, Bk-1, Vd]
         at, trains = slot_targets(anchors, valid, loss_mask, doc, self.block)  # [B, A, Bk-1]
+        h = self.block_hidden(batch, anchors)  # [B, A, Bk-1, H]
+        logits = self.slot_logits(h, batch["input_ids"], at)  # [B, A, Bk-1, Vd]
         logp, argmax = self.targets(batch["hidden"])  # [B, T, Vd], [B, T]
         b, a, s = at.shape
         flat = at.view(b, a * s)
-        target = logp.gather(1, flat[..., None].expand(-1, -1, logp.shape[-1]))
-        kl = self.distill(logits, target.view(b, a, s, -1))  # [B, A, Bk-1]
+        target = logp.gather(1, flat[..., None].expand(-1, -1, logp.shape[-1])).view(b, a, s, -1)
+        kl = self.distill(logits, target)  # [B, A, Bk-1]
         right = self.drafter.to_target_ids(logits.argmax(-1)) == argmax.gather(1, flat).view_as(at)
         w = torch.exp(-torch.arange(s, device=kl.device, dtype=torch.float32) / self.gamma)
         wt = trains.float() * w  # [B, A, Bk-1]
-        loss = (kl * wt).sum() / wt.sum().clamp(min=1e-6)
-        return LossOutput(loss, slot_metrics(kl, right, trains), trains[..., 0].sum())
+        extra, extra_metrics = self.extra_loss(h, logits, target, batch["input_ids"], at, trains)
+        loss = (kl * wt).sum() / wt.sum().clamp(min=1e-6) + extra
+        return LossOutput(loss, {**slot_metrics(kl, right, trains), **extra_metrics},
+                          trains[..., 0].sum())
 
     # ---- export ------------------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ def _section_cls(name: str, section: str) -> type:
 
 
 def test_every_method_is_a_group_option_and_its_objective_follows():
-    assert ALL == ["dflash", "eagle", "eagle3", "mlp_speculator", "mtp", "pard", "peagle"]
+    assert ALL == ["dflash", "dspark", "eagle", "eagle3", "mlp_speculator", "mtp", "pard",
+                   "peagle"]
     for name in ALL:
         cfg = OmegaConf.to_object(compose_train([f"recipe={TINY_RECIPES[name]}",
                                                  f"drafter={name}"]))

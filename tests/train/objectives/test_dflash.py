@@ -108,7 +108,7 @@ def test_training_block_equals_served_block(env, train_data, tmp_path):
     start2 = int((doc == 1).nonzero()[0])
     anchors = torch.tensor([[5, start2 + 6, start2 + 1]])
     with torch.no_grad():
-        train_logits = obj.block_logits(batch, anchors)[0]  # [A, Bk-1, Vd]
+        train_logits = obj.drafter.logits(obj.block_hidden(batch, anchors))[0]  # [A, Bk-1, Vd]
     width = env[0].config.hidden_size
     for i, a in enumerate(anchors[0].tolist()):
         first = int((doc == doc[a]).nonzero()[0])
@@ -117,7 +117,8 @@ def test_training_block_equals_served_block(env, train_data, tmp_path):
         proposer.prefilled([1], [half], ModelOutput(None, None, tuple(x[:, :half] for x in aux)))
         rest = ModelOutput(None, None, tuple(x[:, half:] for x in aux))
         proposer.observe(VerifiedStep([1], [0], [[0] * (a - first - half)], rest))
-        served = proposer.block_logits(DraftBatch([1], [ids[first:a + 1].tolist()], BLOCK - 1))
+        served = proposer.drafter.logits(proposer.block_hidden(
+            DraftBatch([1], [ids[first:a + 1].tolist()], BLOCK - 1)))
         torch.testing.assert_close(served[0], train_logits[i], atol=2e-5, rtol=1e-4)
 
 
