@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from infer.drafters.dflash import DFlashConfig, DFlashDrafter
+from infer.drafters.dflash import DFlashDrafter
 from infer.engine import LLM
 from infer.foundation.errors import ConfigError
 from infer.models.loader import load_config
@@ -21,17 +21,22 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 PROMPTS = [[3, 5, 7, 9, 11, 13], [20, 21], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7]]
 
 
-def save_head(target_dir, path, *, vocab_ids=None, block=5, seed=1, std=0.3) -> str:
+def save_head(target_dir, path, *, vocab_ids=None, block=5, seed=1, std=0.3,
+              kind=DFlashDrafter, edit=None, **settings) -> str:
+    """A random ``kind`` drafter (DFlash, or DSpark with its ``settings``) for ``target_dir``;
+    ``edit(drafter)`` changes its weights before it is saved."""
     cfg = load_config(target_dir)
-    config = DFlashConfig.for_target(cfg, num_layers=2, mask_token_id=cfg.vocab_size - 1,
-                                     block_size=block, aux_layer_ids=[1, cfg.num_layers],
-                                     draft_vocab_size=None if vocab_ids is None
-                                     else len(vocab_ids))
-    drafter = DFlashDrafter(config)
+    config = kind.CONFIG.for_target(cfg, num_layers=2, mask_token_id=cfg.vocab_size - 1,
+                                    block_size=block, aux_layer_ids=[1, cfg.num_layers],
+                                    draft_vocab_size=None if vocab_ids is None
+                                    else len(vocab_ids), **settings)
+    drafter = kind(config)
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in drafter.parameters():
             p.normal_(0, std if p.ndim > 1 else 0.1)
+        if edit is not None:
+            edit(drafter)
     if vocab_ids is not None:
         drafter.set_vocab(torch.tensor(vocab_ids))
     drafter.save_pretrained(path)
@@ -55,16 +60,22 @@ def heads(target4, tmp_path_factory):
                                                      (4, 4, False), (4, 4, True)])
 def test_greedy_equals_autoregressive(target4, heads, head, k, max_num_seqs, adaptive,
                                       monkeypatch):
+    check_greedy(target4, heads[head], k, max_num_seqs, adaptive, monkeypatch, "dflash")
+
+
+def check_greedy(target, head, k, max_num_seqs, adaptive, monkeypatch, method) -> None:
+    """``head`` served with k drafts (the method inferred from its checkpoint, ``method``)
+    outputs what plain greedy decoding does, and drafted."""
     if adaptive:
         price_verification(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
-    spec = {"model": heads[head], "num_speculative_tokens": k,  # method inferred
+    base = LLM(target, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
+    spec = {"model": head, "num_speculative_tokens": k,
             "enable_adaptive_verification": adaptive}
-    llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
+    llm = LLM(target, speculative_config=spec, max_num_seqs=max_num_seqs)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
-    assert llm.spec.method == "dflash" and llm.get_metrics()["num_draft_tokens"] > 0
+    assert llm.spec.method == method and llm.get_metrics()["num_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("head, k, synthetic", [("full", 2, None), ("reduced", 4, None),

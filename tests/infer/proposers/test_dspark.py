@@ -10,41 +10,23 @@ import torch
 
 from infer.drafters.dspark import DSparkConfig, DSparkDrafter
 from infer.engine import LLM
-from infer.models.loader import load_config
 from infer.proposers.base import DraftBatch
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
 
-from ..conftest import price_verification, save_tiny_llama
 from ..test_engine_sampling import K, chi2_pvalue, exact_laws, sample
-from .test_dflash import PROMPTS
+from .test_dflash import PROMPTS, check_greedy, target4  # noqa: F401 (a fixture)
+from .test_dflash import save_head as save_dflash_head
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def save_head(target_dir, path, *, vocab_ids=None, block=5, seed=1, std=0.3,
-              with_markov=True) -> str:
-    cfg = load_config(target_dir)
-    config = DSparkConfig.for_target(
-        cfg, num_layers=2, mask_token_id=cfg.vocab_size - 1, block_size=block,
-        aux_layer_ids=[1, cfg.num_layers], markov_rank=8,
-        confidence_head_with_markov=with_markov,
-        draft_vocab_size=None if vocab_ids is None else len(vocab_ids))
-    drafter = DSparkDrafter(config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, std if p.ndim > 1 else 0.1)
-        drafter.markov_head.markov_w2.weight.mul_(10)  # a bias that changes drafts
-    if vocab_ids is not None:
-        drafter.set_vocab(torch.tensor(vocab_ids))
-    drafter.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def target4(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("t4"), layers=4, seed=5)
+def save_head(target_dir, path, **kwargs) -> str:
+    """A random DSpark drafter (rank 8) whose Markov bias is large enough to change drafts."""
+    def strong_bias(drafter):
+        drafter.markov_head.markov_w2.weight.mul_(10)
+    return save_dflash_head(target_dir, path, kind=DSparkDrafter, edit=strong_bias,
+                            markov_rank=8, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +34,8 @@ def heads(target4, tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark")
     return {"full": save_head(target4, root / "full"),
             "reduced": save_head(target4, root / "reduced", vocab_ids=list(range(0, 96, 2))),
-            "plain_confidence": save_head(target4, root / "plain", with_markov=False)}
+            "plain_confidence": save_head(target4, root / "plain",
+                                          confidence_head_with_markov=False)}
 
 
 @pytest.mark.parametrize("head", ["full", "reduced", "plain_confidence"])
@@ -90,16 +73,7 @@ def test_drafts_and_confidences_equal_a_plain_torch_chain(target4, heads, head):
                                                      (4, 4, True)])
 def test_greedy_equals_autoregressive(target4, heads, head, k, max_num_seqs, adaptive,
                                       monkeypatch):
-    if adaptive:
-        price_verification(monkeypatch)
-    params = SamplingParams(temperature=0.0, max_tokens=12)
-    base = LLM(target4, max_num_seqs=max_num_seqs).generate(PROMPTS, params)
-    spec = {"model": heads[head], "num_speculative_tokens": k,  # method inferred
-            "enable_adaptive_verification": adaptive}
-    llm = LLM(target4, speculative_config=spec, max_num_seqs=max_num_seqs)
-    outs = llm.generate(PROMPTS, params)
-    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
-    assert llm.spec.method == "dspark" and llm.get_metrics()["num_draft_tokens"] > 0
+    check_greedy(target4, heads[head], k, max_num_seqs, adaptive, monkeypatch, "dspark")
 
 
 def test_checkpoint_round_trip_in_the_speculators_layout(heads):
