@@ -37,9 +37,9 @@ def test_duplicate_names_are_an_error(registry, base, name):
 
 def test_every_builtin_is_registered():
     assert {"ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3", "eagle3/parallel",
-            "dflash", "mlp_speculator", "mtp"} <= set(PROPOSERS.names())
-    assert set(OBJECTIVES.names()) == {"eagle", "eagle3", "peagle", "dflash", "mlp_speculator",
-                                       "pard", "mtp"}
+            "dflash", "dspark", "mlp_speculator", "mtp"} <= set(PROPOSERS.names())
+    assert set(OBJECTIVES.names()) == {"eagle", "eagle3", "peagle", "dflash", "dspark",
+                                       "mlp_speculator", "pard", "mtp"}
     with pytest.raises(ValueError, match="serves: .*eagle3"):
         PROPOSERS.get("no_such_method")
     with pytest.raises(ValueError, match=r"'drafter.method': 'x'.*eagle3, mlp_speculator, mtp, pard"):
