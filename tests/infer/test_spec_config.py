@@ -184,7 +184,7 @@ def test_num_speculative_tokens_error_text(k):
 
 def test_method_tables():
     assert METHODS == ("ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3",
-                       "dflash", "mlp_speculator", "mtp", "medusa")
+                       "dflash", "dspark", "mlp_speculator", "mtp", "medusa")
     assert REJECTION_SAMPLE_METHODS == ("strict", "probabilistic", "block", "synthetic")
 
 
