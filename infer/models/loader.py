@@ -69,15 +69,17 @@ def resolve_architecture(hf: dict, where: str = "config.json") -> str:
                 return name
     raise config_error("architectures", names or None,
                        f"one of the supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)} "
-                       f"(model_type is {hf.get('model_type')!r}){_drafter_hint(hf)}", where)
+                       f"(model_type is {hf.get('model_type')!r}){_hint(hf)}", where)
 
 
-def _drafter_hint(hf: dict) -> str:
-    """Point at the right key when a drafter checkpoint is given as the target model."""
+def _hint(hf: dict) -> str:
+    """Point at the right key when a drafter checkpoint is given as the target model, else at
+    the path a target the engine lacks still has (training through transformers)."""
     archs = " ".join(hf.get("architectures") or [])
     if "speculators_model_type" in hf or any(k in archs for k in ("Eagle", "Speculator")):
         return "; this is a drafter checkpoint: give it as speculative_config.model"
-    return ""
+    return ("; train.py still trains drafters for it through transformers, to serve in vLLM "
+            "(docs/any-target.md)")
 
 
 def rope_from_hf(hf: dict) -> RopeConfig:
