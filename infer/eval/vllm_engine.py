@@ -158,12 +158,12 @@ class VllmSession:
         import torch
 
         from infer.foundation.files import load_tokenizer
-        from infer.models.loader import load_config
+        from infer.models.foreign import target_config
         from infer.target import tokenizer_eos
 
         VllmEngine(target, python)  # the same checks (vLLM importable / interpreter exists)
         cuda = vllm_has_cuda(python)
-        cfg = load_config(target)
+        cfg = target_config(target)  # any architecture vLLM serves, not only the engine's
         self.eos_ids = frozenset(cfg.eos_token_ids) | tokenizer_eos(
             load_tokenizer(target, required=False))  # as Target.wrap collects them
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
