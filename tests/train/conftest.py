@@ -53,9 +53,11 @@ def _foreign(name: str, **common):
     layers = common["num_hidden_layers"]
     sliding = dict(sliding_window=8, layer_types=[
         "full_attention" if i == layers - 1 else "sliding_attention" for i in range(layers)])
-    experts = dict(num_experts_per_tok=2, head_dim=16)
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    experts = dict(num_experts_per_tok=2, head_dim=head_dim)
     kinds = {
-        "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, dict(head_dim=16, **sliding)),
+        "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, dict(head_dim=head_dim,
+                                                                   **sliding)),
         "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config, {}),
         "stablelm": (tf.StableLmForCausalLM, tf.StableLmConfig, {}),  # LayerNorm, 1/4 rotary
         "gpt_oss": (tf.GptOssForCausalLM, tf.GptOssConfig,
