@@ -3,8 +3,8 @@
 Training needs three things from a target: its sizes (to shape the drafter), its embedding and
 LM head (borrowed by the objective), and its residual streams over the training rows (the
 features). The engine's own model (infer/models/llama.py) gives all three for the families it
-knows; any other causal LM that transformers implements (Gemma 3, Phi-3, Qwen3-MoE, GPT-OSS,
-OLMo ...) goes through transformers' own implementation here, as speculators and SpecForge read
+knows; any other causal LM that transformers implements (Gemma 3, GPT-OSS, OLMo, StableLM ...)
+goes through transformers' own implementation here, as speculators and SpecForge read
 hidden states through the model code the serving stack already has. No remote code: an
 architecture transformers does not ship is refused with the reason.
 
@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from infer.foundation.errors import ConfigError
 from infer.models.llama import check_aux_ids
+
 
 @dataclass
 class TargetStreams:
