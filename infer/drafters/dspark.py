@@ -1,4 +1,4 @@
-"""DSpark drafter (speculators / vLLM ``dspark``; docs/reference.md): DFlash's block backbone
+"""DSpark drafter (speculators / vLLM ``dspark``; docs/reference.md §17): DFlash's block backbone
 plus a low-rank Markov head and a confidence head.
 
 One parallel forward of the block gives every slot's hidden state ``h_i`` and base logits
