@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from infer.eval.vllm_engine import session_outputs
 from infer.models.loader import token_ids
 from infer.request import CompletionOutput, RequestOutput
 
@@ -52,10 +53,7 @@ class TransformersSession:
         for s in range(0, len(fits), self.max_num_seqs):
             batch = fits[s:s + self.max_num_seqs]
             outs.update(zip(batch, self._batch([prompts[i] for i in batch], params)))
-        return [RequestOutput(i, None, p, [outs[i]], {}) if i in outs else
-                RequestOutput(i, None, p, [CompletionOutput(0, "", [], "error")], {},
-                              f"prompt {i}: longer than max_model_len {self.max_model_len}")
-                for i, p in enumerate(prompts)]
+        return session_outputs(prompts, outs, self.max_model_len)
 
     @torch.no_grad()
     def _batch(self, prompts: list[list[int]], params) -> list[CompletionOutput]:

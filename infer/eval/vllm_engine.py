@@ -199,7 +199,7 @@ class VllmSession:
     def generate(self, prompts: list[list[int]], params) -> list:
         """Outputs for ``prompts`` (token ids) with ``params`` (SamplingParams); a prompt that
         leaves no room under ``max_model_len`` gets an error, as in draftsmith's engine."""
-        from infer.request import CompletionOutput, RequestOutput
+        from infer.request import CompletionOutput
 
         fits = [i for i, p in enumerate(prompts) if len(p) < self.max_model_len]
         request = {"prompt_token_ids": [prompts[i] for i in fits],
@@ -213,12 +213,21 @@ class VllmSession:
                                                              "finish_reasons": []}
         else:
             out = self._ask(request) if fits else {"token_ids": [], "finish_reasons": []}
-        done = dict(zip(fits, zip(out["token_ids"], out["finish_reasons"])))
-        return [RequestOutput(i, None, p, [CompletionOutput(0, "", done[i][0], done[i][1])],
-                              {}) if i in done else
-                RequestOutput(i, None, p, [CompletionOutput(0, "", [], "error")], {},
-                              f"prompt {i}: longer than max_model_len {self.max_model_len}")
-                for i, p in enumerate(prompts)]
+        done = {i: CompletionOutput(0, "", ids, reason)
+                for i, ids, reason in zip(fits, out["token_ids"], out["finish_reasons"])}
+        return session_outputs(prompts, done, self.max_model_len)
+
+
+def session_outputs(prompts: list[list[int]], done: dict, max_model_len: int) -> list:
+    """A generation session's :class:`~infer.request.RequestOutput` per prompt: its completion
+    from ``done`` (prompt index -> CompletionOutput), or the error draftsmith's engine gives a
+    prompt that leaves no room under ``max_model_len``."""
+    from infer.request import CompletionOutput, RequestOutput
+
+    return [RequestOutput(i, None, p, [done[i]], {}) if i in done else
+            RequestOutput(i, None, p, [CompletionOutput(0, "", [], "error")], {},
+                          f"prompt {i}: longer than max_model_len {max_model_len}")
+            for i, p in enumerate(prompts)]
 
     def close(self) -> None:
         if self._proc is not None:

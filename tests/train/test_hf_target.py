@@ -59,9 +59,9 @@ def foreign_target(request, tmp_path_factory):
 
 
 def test_the_engine_says_why_it_cannot_run_a_foreign_target(train_target, foreign_target):
-    arch, path = foreign_target
+    _, path = foreign_target
     assert engine_gap(train_target) is None
-    assert "architectures" in engine_gap(path) and arch not in ("llama",)
+    assert "architectures" in engine_gap(path)
     cfg = target_config(path)  # the sizes a drafter is shaped from
     hf = json.loads(open(f"{path}/config.json").read())
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) \
