@@ -13,7 +13,9 @@ from infer.detokenize import StopStrings, output_text
 from infer.foundation.errors import ConfigError, UserError
 from infer.metrics import SpecMetrics
 from infer.sampling_params import SamplingParams
-from infer.target import Target
+from infer.target import Target, TargetTokens
+
+PromptTarget = Target | TargetTokens  # what requests read of a target (TargetTokens' fields)
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,7 @@ class _Refused(Exception):
     """Why one request cannot run; caught per request, so the rest of the batch runs."""
 
 
-def make_requests(prompts: Any, params: Any, target: Target) -> list[Request]:
+def make_requests(prompts: Any, params: Any, target: PromptTarget) -> list[Request]:
     """Prompts (strings, token-id lists, ``{"prompt_token_ids": [...]}`` / ``{"prompt": ...}``,
     one or a list) and sampling params (one for all, or one each) -> requests, in prompt order.
 
@@ -182,7 +184,7 @@ def make_requests(prompts: Any, params: Any, target: Target) -> list[Request]:
             for i, (prompt, p) in enumerate(zip(prompts, params_list))]
 
 
-def make_request(index: int, prompt: Any, params: Any, target: Target) -> Request:
+def make_request(index: int, prompt: Any, params: Any, target: PromptTarget) -> Request:
     """One request (id ``index``), or a refused one saying why (see ``make_requests``)."""
     text, ids = None, []
     try:
@@ -238,7 +240,7 @@ def _prompt_parts(prompt: Any) -> tuple[str | None, list[Any]]:
                    "dict with 'prompt' or 'prompt_token_ids'")
 
 
-def _tokenize(text: str | None, ids: list[Any], target: Target) -> list[Any]:
+def _tokenize(text: str | None, ids: list[Any], target: PromptTarget) -> list[Any]:
     if text is None:
         return ids
     if target.tokenizer is None:
@@ -247,11 +249,11 @@ def _tokenize(text: str | None, ids: list[Any], target: Target) -> list[Any]:
     return list(target.tokenizer(text)["input_ids"])  # with BOS where the tokenizer adds one
 
 
-def _check_ids(ids: list[Any], target: Target) -> None:
+def _check_ids(ids: list[Any], target: PromptTarget) -> None:
     """At least one token, every id in the vocabulary, and room for one generated token."""
     if not ids:
         raise _Refused("is empty; expected at least one token")
-    vocab = target.model.config.vocab_size
+    vocab = target.vocab_size
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
         raise _Refused(f"has token ids outside [0, {vocab}): {bad[:5]}"
@@ -263,9 +265,9 @@ def _check_ids(ids: list[Any], target: Target) -> None:
                        f"{limit - 1} (at least one token must be generated)")
 
 
-def _check_stop_ids(stop_ids: list[int], target: Target) -> None:
+def _check_stop_ids(stop_ids: list[int], target: PromptTarget) -> None:
     """vLLM refuses stop_token_ids the model cannot emit: a typo there would never stop."""
-    vocab = target.model.config.vocab_size
+    vocab = target.vocab_size
     bad = [t for t in stop_ids if t >= vocab]
     if bad:
         raise _Refused(f"SamplingParams: invalid value for 'stop_token_ids': {stop_ids!r}; "

@@ -51,11 +51,7 @@ class Target:
         """A model already in memory (a training run's frozen target) as an engine's target,
         shared, not copied; ``path`` gives its tokenizer and names it."""
         cfg = model.config
-        limit = max_model_len or min(cfg.max_position_embeddings, 4096)
-        if limit > cfg.max_position_embeddings:
-            raise config_error("max_model_len", max_model_len,
-                               f"<= the model's max_position_embeddings "
-                               f"({cfg.max_position_embeddings})", _WHERE)
+        limit = context_limit(cfg.max_position_embeddings, max_model_len)
         tok = load_tokenizer(tokenizer or path, required=tokenizer is not None)
         device = next(model.parameters()).device
         return cls(str(path), model, tok, frozenset(cfg.eos_token_ids) | tokenizer_eos(tok),
@@ -64,6 +60,44 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+
+@dataclass(frozen=True)
+class TargetTokens:
+    """What turning prompts into requests needs of a target (``make_requests``): its tokenizer,
+    vocabulary, stop ids and context length, without its weights. The harness on vLLM
+    (``eval.engine=vllm``) tokenizes with it exactly as the engine would, also for targets the
+    engine does not run (any architecture transformers describes: ``target_config``)."""
+
+    path: str
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    vocab_size: int
+    max_model_len: int
+    device: torch.device = torch.device("cpu")  # where a seeded request's generator lives
+
+    @classmethod
+    def load(cls, path: str, *, max_model_len: int | None = None) -> "TargetTokens":
+        from infer.models.foreign import target_config
+
+        cfg = target_config(path)
+        tok = load_tokenizer(path, required=False)
+        return cls(str(path), tok, frozenset(cfg.eos_token_ids) | tokenizer_eos(tok),
+                   cfg.vocab_size, context_limit(cfg.max_position_embeddings, max_model_len))
+
+
+def context_limit(max_positions: int, max_model_len: int | None) -> int:
+    """``max_model_len``, at most the model's positions; None: the model's, at most 4096 (a
+    KV cache for 128k positions would not fit where a user did not ask for it)."""
+    limit = max_model_len or min(max_positions, 4096)
+    if limit > max_positions:
+        raise config_error("max_model_len", max_model_len,
+                           f"<= the model's max_position_embeddings ({max_positions})", _WHERE)
+    return limit
 
 
 def resolve_device(device: str) -> torch.device:

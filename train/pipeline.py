@@ -27,6 +27,7 @@ import datasets
 
 from infer.foundation.atomic import atomic_dir, remove_leftovers
 from infer.foundation.errors import check_writable
+from infer.config import EvalEngine
 from infer.foundation.signals import raise_on_signals
 from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset
@@ -157,9 +158,10 @@ def _run(cfg: TrainConfig) -> RunResult:
         export(objective, result, cfg.final_dir, state)
         clock.lap("export")
         report = None
-        if cfg.eval.enabled and state.is_main_process and target.gap is not None:
+        if cfg.eval.enabled and state.is_main_process and not _evaluable(cfg, target):
             print(f"evaluation skipped: draftsmith's engine does not run the target "
-                  f"({target.gap}); serve {cfg.final_dir} with vLLM (docs/any-target.md)")
+                  f"({target.gap}); eval.engine=vllm measures {cfg.final_dir} in vLLM "
+                  "(docs/any-target.md)")
         elif cfg.eval.enabled and state.is_main_process:
             report = evaluate_drafter(cfg, prepared.target_dir, objective, logger, step)
             clock.lap("evaluation")
@@ -167,6 +169,12 @@ def _run(cfg: TrainConfig) -> RunResult:
         logger.finish()
     print(f"final drafter: {cfg.final_dir}\n{clock.summary()}")
     return RunResult(cfg.final_dir, result, report)
+
+
+def _evaluable(cfg: TrainConfig, target: FrozenTarget) -> bool:
+    """Whether the end-of-run harness can run: in draftsmith's engine when it runs the target,
+    in vLLM (``eval.engine=vllm``) for any target vLLM serves."""
+    return target.gap is None or cfg.eval.engine == EvalEngine.vllm
 
 
 # ---- 1. data ---------------------------------------------------------------------------------

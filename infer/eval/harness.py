@@ -50,7 +50,7 @@ from infer.proposers.base import PROPOSERS, proposer_class
 from infer.request import RequestOutput, make_requests
 from infer.sampling import SamplingParams
 from infer.spec_config import SpeculativeConfig
-from infer.target import Target
+from infer.target import Target, TargetTokens
 from infer.timing import EngineTimers
 from infer.foundation.tracking import Logger, NoopLogger
 from infer.foundation.validation import check_float, check_int, config_error
@@ -199,7 +199,8 @@ class _Matrix:
     """Runs configurations on one loaded engine, a (batch size, temperature) cell at a time:
     the cell's configurations back to back, between two autoregressive runs (:meth:`cell`)."""
 
-    engine: LLM
+    engine: LLM | None  # None on vLLM (eval.engine=vllm): ``tokens`` tokenizes the prompts
+    tokens: Target | TargetTokens
     prompts: list
     max_tokens: int
     ignore_eos: bool
@@ -219,7 +220,7 @@ class _Matrix:
         params, prompts = self.params(temperature), self.prompts_at(batch)
         if self.vllm is None:
             return _measure(self.engine, spec, prompts, params, batch, self.warmup)
-        ids = [r.prompt_ids for r in make_requests(prompts, params, self.engine.target)]
+        ids = [r.prompt_ids for r in make_requests(prompts, params, self.tokens)]
         return _measure_vllm(self.vllm, spec, ids, params, batch, self.warmup)
 
     def params(self, temperature: float) -> SamplingParams:
@@ -295,8 +296,9 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig], prompts:
     or a loaded :class:`~infer.target.Target` (which fixed those). Writes results.json /
     results.md / plots into ``output_dir`` when given; logs per-config acceptance scalars, the
     results table and the plots to ``logger`` at ``step`` under ``prefix``. ``engine="vllm"``
-    runs every configuration on vLLM instead (infer/eval/vllm_engine.py); the target is then
-    still loaded here once, for its tokenizer. A batch-B run takes the first max(num_prompts,
+    runs every configuration on vLLM instead (infer/eval/vllm_engine.py); only the target's
+    tokenizer is loaded here then (``TargetTokens``), so any target vLLM serves can be
+    measured, also one draftsmith's engine does not run. A batch-B run takes the first max(num_prompts,
     requests_per_slot x B) of ``prompts`` (EvalConfig.requests_per_slot says why); repeats > 1:
     each row's speedup is the median over that many rounds of its cell (``_Matrix.cell``).
     """
@@ -307,11 +309,8 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig], prompts:
         cfg.spec()
     check_int("max_tokens", o.max_tokens, _WHERE, minimum=1)
     logger = logger or NoopLogger()
-    engine_llm = LLM(target, seed=o.seed, max_num_seqs=1, device=o.device, dtype=o.dtype,
-                     max_model_len=o.max_model_len, num_threads=o.num_threads)  # forked per run
-    vllm = _vllm_engine(o.engine, engine_llm.target.path, o.vllm_python,
-                        o.tensor_parallel_size, o.max_model_len, o.dtype, o.seed)
-    matrix = _Matrix(engine_llm, prompts, o.max_tokens, o.ignore_eos, o.warmup, vllm,
+    engine_llm, tokens, vllm = _engines(target, o)
+    matrix = _Matrix(engine_llm, tokens, prompts, o.max_tokens, o.ignore_eos, o.warmup, vllm,
                      o.num_prompts or len(prompts), o.requests_per_slot, o.repeats)
     _warn_short(matrix, configs)
     results: list[ConfigResult] = [None] * len(configs)  # type: ignore[list-item]
@@ -322,7 +321,7 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig], prompts:
     # vLLM exposes no step costs: no cost model, no k advice for its rows
     advisor, recommended = advise(results) if vllm is None else ([], {})
     report = HarnessReport(
-        target=engine_llm.target.path,
+        target=tokens.path,
         baselines=matrix.baselines, results=results, advisor=advisor,
         recommended_k=recommended, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         settings=matrix.settings(dtype=o.dtype, seed=o.seed, engine=o.engine,
@@ -387,17 +386,22 @@ def _warn_short(matrix: _Matrix, configs: Sequence[HarnessConfig]) -> None:
                         len(matrix.prompts))
 
 
-def _vllm_engine(engine: str, target: str, python: str | None, tp: int,
-                 max_model_len: int | None, dtype: str, seed: int) -> VllmEngine | None:
-    """The vLLM runner of ``engine="vllm"`` (None for draftsmith's engine), in the dtype this
-    engine would use."""
-    if engine == "draftsmith":
-        return None
-    if engine != "vllm":
-        raise config_error("engine", engine, "'draftsmith' or 'vllm'", _WHERE)
-    cuda = vllm_has_cuda(python)
-    return VllmEngine(target, python, tp, max_model_len, engine_dtype(dtype, target, cuda), seed,
-                      cpu_defaults(cuda))
+def _engines(target: str | Target, o: HarnessOptions
+             ) -> tuple[LLM | None, Target | TargetTokens, VllmEngine | None]:
+    """draftsmith's engine (forked per run) and its target; or, for ``engine="vllm"``, the vLLM
+    runner in the dtype this engine would use, with only the target's tokenizer loaded here."""
+    if o.engine == "draftsmith":
+        llm = LLM(target, seed=o.seed, max_num_seqs=1, device=o.device, dtype=o.dtype,
+                  max_model_len=o.max_model_len, num_threads=o.num_threads)
+        return llm, llm.target, None
+    if o.engine != "vllm":
+        raise config_error("engine", o.engine, "'draftsmith' or 'vllm'", _WHERE)
+    tokens = (TargetTokens.load(target, max_model_len=o.max_model_len)
+              if isinstance(target, str) else target)
+    cuda = vllm_has_cuda(o.vllm_python)
+    vllm = VllmEngine(tokens.path, o.vllm_python, o.tensor_parallel_size, o.max_model_len,
+                      engine_dtype(o.dtype, tokens.path, cuda), o.seed, cpu_defaults(cuda))
+    return None, tokens, vllm
 
 
 def config_id(row: ConfigResult | HarnessConfig) -> str:

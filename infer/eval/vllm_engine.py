@@ -217,6 +217,12 @@ class VllmSession:
                 for i, ids, reason in zip(fits, out["token_ids"], out["finish_reasons"])}
         return session_outputs(prompts, done, self.max_model_len)
 
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=120)
+            self._proc = None
+
 
 def session_outputs(prompts: list[list[int]], done: dict, max_model_len: int) -> list:
     """A generation session's :class:`~infer.request.RequestOutput` per prompt: its completion
@@ -229,8 +235,3 @@ def session_outputs(prompts: list[list[int]], done: dict, max_model_len: int) ->
                           f"prompt {i}: longer than max_model_len {max_model_len}")
             for i, p in enumerate(prompts)]
 
-    def close(self) -> None:
-        if self._proc is not None:
-            self._proc.stdin.close()
-            self._proc.wait(timeout=120)
-            self._proc = None

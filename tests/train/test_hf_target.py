@@ -4,6 +4,7 @@ equal the engine's where both run the target, and architectures the engine lacks
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -128,3 +129,37 @@ def test_a_foreign_target_trains_end_to_end(tmp_path, foreign_target, chat_file,
     rows = [json.loads(line) for line in
             open(tmp_path / "tiny_eagle3" / "regenerated" / "chunk_00000.jsonl")]
     assert len(rows) == 4
+
+
+def test_a_foreign_targets_head_is_evaluated_on_vllm(tmp_path, chat_file, monkeypatch, capsys):
+    """With eval.engine=vllm the end-of-run harness runs for a target the engine lacks: the
+    exported head's served config goes to vLLM (faked here: the real one is
+    tests/infer/eval/test_vllm_engine.py's), the report is written instead of skipped."""
+    from infer.eval import harness
+    from infer.eval.vllm_engine import VllmEngine, VllmResult
+    from infer.metrics import SpecMetrics
+
+    path = save_train_target(tmp_path / "gemma3", arch="gemma3")
+    specs = []
+
+    def fake_run(self, spec, prompt_ids, **kw):
+        specs.append(spec)
+        return VllmResult([[1] * kw["max_tokens"] for _ in prompt_ids], 0.1,
+                          SpecMetrics(2, 6, 3, [2, 1, 0]) if spec else SpecMetrics(0, 0, 0, []))
+
+    monkeypatch.setattr(VllmEngine, "run", fake_run)
+    monkeypatch.setattr(harness, "vllm_has_cuda", lambda python: False)
+    cfg: TrainConfig = OmegaConf.to_object(compose_train([
+        "recipe=tiny_eagle3", f"output_dir={tmp_path}", f"target.path={path}",
+        f"data.source={chat_file}", "data.max_length=96", "trainer.max_steps=2",
+        "trainer.micro_batch_size=2", "trainer.device=cpu", "logger.kind=none",
+        "regenerate.enabled=false", "drafter.draft_vocab_size=128",
+        "drafter.token_map_size=64", "objective.ttt_steps=2", "eval.engine=vllm",
+        f"eval.vllm_python={sys.executable}", "eval.methods=[]", "eval.ks=[3]",
+        "eval.batch_sizes=[1]", "eval.temperatures=[0.0]", "eval.num_prompts=2",
+        "eval.max_tokens=4"]))
+    result = run(cfg)
+    assert "evaluation skipped" not in capsys.readouterr().out
+    head = [s for s in specs if s]
+    assert head and head[0]["method"] == "eagle3" and head[0]["model"] == str(result.final_dir)
+    assert result.report.results[0].acceptance_length == pytest.approx(2.5)

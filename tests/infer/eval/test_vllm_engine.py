@@ -5,13 +5,17 @@ or vLLM importable here), the same matrix mapped onto the same results."""
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
+import torch
 
 from infer.foundation.errors import ConfigError
+from infer.eval import harness
 from infer.eval.harness import expand_matrix, run_harness
 from infer.eval.options import HarnessOptions
-from infer.eval.vllm_engine import VllmEngine, for_vllm
+from infer.eval.vllm_engine import VllmEngine, VllmResult, for_vllm
+from infer.metrics import SpecMetrics
 from infer.spec_config import SpeculativeConfig
 
 VLLM_PYTHON = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
@@ -65,3 +69,68 @@ def test_matrix_on_vllm_maps_onto_results(make_tiny_llama, tmp_path):
     assert sum(row.num_accepted_tokens_per_pos) == row.num_accepted_tokens
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["settings"]["engine"] == "vllm" and saved["advisor"] == []
+
+
+def save_tiny_gemma3(path, *, vocab=96, head_dim=32, seed=0) -> str:
+    """A random Gemma 3 text model (sliding-window layers, an architecture draftsmith's engine
+    does not run); head_dim 32: vLLM-CPU's attention refuses 16."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=head_dim, max_position_embeddings=256, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"],
+                              bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = tf.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_a_target_the_engine_does_not_run_is_measured_on_vllm(tmp_path, monkeypatch):
+    """eval.engine=vllm loads only the target's tokenizer view here (never draftsmith's model),
+    so a Gemma 3 target is measured: vLLM gets the prompts' token ids, the configuration in its
+    spelling, and its answers land in results.json."""
+    target = save_tiny_gemma3(tmp_path / "gemma3")
+    monkeypatch.setattr(harness, "LLM", lambda *a, **k: pytest.fail("the engine was loaded"))
+    monkeypatch.setattr(harness, "vllm_has_cuda", lambda python: False)
+    jobs = []
+
+    def fake_run(self, spec, prompt_ids, **kw):  # vLLM's answer: echo each prompt's last id
+        jobs.append((self.target, spec, prompt_ids, kw["batch_size"], self.dtype))
+        drafts = SpecMetrics(4, 8, 6, [4, 2]) if spec else SpecMetrics(0, 0, 0, [])
+        return VllmResult([[p[-1]] * kw["max_tokens"] for p in prompt_ids], 0.5, drafts)
+
+    monkeypatch.setattr(VllmEngine, "run", fake_run)
+    ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    report = run_harness(target, expand_matrix([ngram], [2], batch_sizes=[2]),
+                         [[1, 2, 3], {"prompt_token_ids": [4, 5]}],
+                         HarnessOptions(max_tokens=4, engine="vllm", vllm_python=sys.executable),
+                         output_dir=tmp_path / "eval")
+    assert {j[0] for j in jobs} == {target} and {j[4] for j in jobs} == {"float32"}
+    assert all(j[2] == [[1, 2, 3], [4, 5]] and j[3] == 2 for j in jobs)
+    assert [j[1] for j in jobs if j[1]] == [for_vllm(SpeculativeConfig.parse(
+        {**ngram, "num_speculative_tokens": 2}))]
+    row = report.results[0]
+    assert row.lossless is True and row.acceptance_length == pytest.approx(1 + 6 / 4)
+    saved = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert saved["target"] == target and saved["settings"]["engine"] == "vllm"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="no vLLM (set DRAFTSMITH_VLLM_PYTHON)")
+def test_a_foreign_target_on_a_real_vllm(tmp_path):
+    """The same through a real vLLM: Gemma 3 decoded with n-gram drafts, greedy-identical to
+    vLLM's own autoregressive run."""
+    target = save_tiny_gemma3(tmp_path / "gemma3")
+    ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    report = run_harness(target, expand_matrix([ngram], [2], batch_sizes=[2]),
+                         [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6]],
+                         HarnessOptions(max_tokens=16, ignore_eos=True, engine="vllm",
+                                        vllm_python=VLLM_PYTHON, max_model_len=128))
+    row = report.results[0]
+    assert row.lossless is True and row.tokens == 32 and row.num_drafts > 0
