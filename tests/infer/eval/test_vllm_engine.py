@@ -134,3 +134,51 @@ def test_a_foreign_target_on_a_real_vllm(tmp_path):
                                         vllm_python=VLLM_PYTHON, max_model_len=128))
     row = report.results[0]
     assert row.lossless is True and row.tokens == 32 and row.num_drafts > 0
+
+
+FAKE_VLLM = '''
+class SamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Out:
+    def __init__(self, ids, reason):
+        self.token_ids, self.finish_reason = ids, reason
+
+
+class _Request:
+    def __init__(self, out):
+        self.outputs = [out]
+
+
+class LLM:
+    def __init__(self, target, **kw):
+        self.kw = kw
+
+    def generate(self, prompts, params, use_tqdm=False):  # each prompt's last id, repeated
+        return [_Request(_Out([p["prompt_token_ids"][-1]] * sp.max_tokens, "length"))
+                for p, sp in zip(prompts, params)]
+'''
+
+
+def test_a_vllm_session_speaks_to_its_worker_and_closes(tiny_target, tmp_path):
+    """VllmSession against the real worker script run by another interpreter (a stand-in vLLM
+    package on its path): batches go out and come back in order, a prompt longer than the
+    context gets the engine's error, and close() ends the worker."""
+    from infer.eval.vllm_engine import VllmSession
+    from infer.sampling_params import SamplingParams
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    session = VllmSession(tiny_target, python=str(python), max_num_seqs=2, max_model_len=8)
+    outs = session.generate([[1, 2, 3], list(range(1, 10)), [7]],
+                            SamplingParams(max_tokens=3, temperature=1.0))
+    assert [o.outputs[0].token_ids for o in outs] == [[3, 3, 3], [], [7, 7, 7]]
+    assert outs[1].error == "prompt 1: longer than max_model_len 8"
+    proc = session._proc
+    session.close()
+    assert proc.returncode == 0 and session._proc is None
