@@ -25,22 +25,19 @@ class TransformersSession:
                  device: str = "cpu", seed: int = 0):
         from transformers import AutoModelForCausalLM
 
-        from infer.foundation.files import load_tokenizer
-        from infer.target import tokenizer_eos
         from infer.models.foreign import target_config
+        from infer.target import TargetTokens
 
-        cfg = target_config(target)
+        cfg, tokens = target_config(target), TargetTokens.load(target, max_model_len=max_model_len)
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                                    else "cpu" if device == "auto" else device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(
             target, dtype=dtype, trust_remote_code=False).to(self.device).eval()
-        tokenizer = load_tokenizer(target, required=False)
-        self.eos_ids = frozenset(cfg.eos_token_ids) | tokenizer_eos(tokenizer) | frozenset(
+        self.eos_ids = tokens.eos_ids | frozenset(
             token_ids(self.model.generation_config.eos_token_id))
         self.pad_id = next(iter(token_ids(cfg.pad_token_id) or sorted(self.eos_ids) or [0]))
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        self.max_model_len = tokens.max_model_len
         self.max_num_seqs = max_num_seqs
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -157,17 +157,12 @@ class VllmSession:
 
         import torch
 
-        from infer.foundation.files import load_tokenizer
-        from infer.models.foreign import target_config
-        from infer.target import tokenizer_eos
+        from infer.target import TargetTokens
 
         VllmEngine(target, python)  # the same checks (vLLM importable / interpreter exists)
         cuda = vllm_has_cuda(python)
-        cfg = target_config(target)  # any architecture vLLM serves, not only the engine's
-        self.eos_ids = frozenset(cfg.eos_token_ids) | tokenizer_eos(
-            load_tokenizer(target, required=False))  # as Target.wrap collects them
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        tokens = TargetTokens.load(target, max_model_len=max_model_len)  # any architecture
+        self.eos_ids, self.max_model_len = tokens.eos_ids, tokens.max_model_len
         self.generator = torch.Generator().manual_seed(seed)
         settings = {"target": target, "max_num_seqs": max_num_seqs,
                     "max_model_len": self.max_model_len, "seed": seed,
