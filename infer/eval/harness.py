@@ -230,9 +230,9 @@ class _Matrix:
     def cell(self, cfgs: Sequence[HarnessConfig]) -> list[ConfigResult]:
         """The rows of one cell (every config has its batch size and temperature). A shared
         machine's throughput drifts by tens of percent over minutes and moves every method alike
-        (docs/benchmarks-history.md), so the cell runs in rounds: each round every configuration once,
-        back to back (in an order that shifts from round to round), then an autoregressive run;
-        one more autoregressive run opens the first round. A run's speedup is against the two
+        (docs/benchmarks-history.md), so the cell runs in rounds: each round every configuration
+        once, back to back (in an order that shifts from round to round), then an autoregressive
+        run; one more autoregressive run opens the first round. A run's speedup is against the two
         autoregressive runs around its round, interpolated to its middle; with ``repeats`` > 1
         a row's speedup is the median over its rounds. Every configuration meets the same
         minutes of the machine, and two rows compare runs seconds apart."""
@@ -298,9 +298,10 @@ def run_harness(target: str | Target, configs: Sequence[HarnessConfig], prompts:
     results table and the plots to ``logger`` at ``step`` under ``prefix``. ``engine="vllm"``
     runs every configuration on vLLM instead (infer/eval/vllm_engine.py); only the target's
     tokenizer is loaded here then (``TargetTokens``), so any target vLLM serves can be
-    measured, also one draftsmith's engine does not run. A batch-B run takes the first max(num_prompts,
-    requests_per_slot x B) of ``prompts`` (EvalConfig.requests_per_slot says why); repeats > 1:
-    each row's speedup is the median over that many rounds of its cell (``_Matrix.cell``).
+    measured, also one draftsmith's engine does not run. A batch-B run takes the first
+    max(num_prompts, requests_per_slot x B) of ``prompts`` (EvalConfig.requests_per_slot says
+    why); repeats > 1: each row's speedup is the median over that many rounds of its cell
+    (``_Matrix.cell``).
     """
     o, configs, prompts = options, list(configs), list(prompts)
     if not prompts:
