@@ -54,8 +54,7 @@ class Target:
         limit = context_limit(cfg.max_position_embeddings, max_model_len)
         tok = load_tokenizer(tokenizer or path, required=tokenizer is not None)
         device = next(model.parameters()).device
-        return cls(str(path), model, tok, frozenset(cfg.eos_token_ids) | tokenizer_eos(tok),
-                   device, limit)
+        return cls(str(path), model, tok, eos_ids(cfg, tok), device, limit)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,13 +80,15 @@ class TargetTokens:
     device: torch.device = torch.device("cpu")  # where a seeded request's generator lives
 
     @classmethod
-    def load(cls, path: str, *, max_model_len: int | None = None) -> "TargetTokens":
+    def load(cls, path: str, *, max_model_len: int | None = None,
+             config=None) -> "TargetTokens":
+        """``config``: the target's (``target_config``), when the caller has read it already."""
         from infer.models.foreign import target_config
 
-        cfg = target_config(path)
+        cfg = config or target_config(path)
         tok = load_tokenizer(path, required=False)
-        return cls(str(path), tok, frozenset(cfg.eos_token_ids) | tokenizer_eos(tok),
-                   cfg.vocab_size, context_limit(cfg.max_position_embeddings, max_model_len))
+        return cls(str(path), tok, eos_ids(cfg, tok), cfg.vocab_size,
+                   context_limit(cfg.max_position_embeddings, max_model_len))
 
 
 def context_limit(max_positions: int, max_model_len: int | None) -> int:
@@ -117,8 +118,8 @@ def _resolve_dtype(dtype: str, device: torch.device) -> str | torch.dtype:
     return DTYPES[dtype]
 
 
-def tokenizer_eos(tokenizer) -> frozenset[int]:
-    """The tokenizer's EOS id (a set: empty without a tokenizer or an EOS), added to the
-    config's EOS ids wherever a target's stop tokens are collected."""
+def eos_ids(config, tokenizer) -> frozenset[int]:
+    """The config's EOS ids and the tokenizer's EOS id (when it has a tokenizer and one): a
+    target's stop tokens, collected the same way wherever a target is described."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    return frozenset() if eos is None else frozenset([eos])
+    return frozenset(config.eos_token_ids) | (frozenset() if eos is None else frozenset([eos]))

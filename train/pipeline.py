@@ -25,9 +25,9 @@ from pathlib import Path
 
 import datasets
 
+from infer.config import EvalEngine
 from infer.foundation.atomic import atomic_dir, remove_leftovers
 from infer.foundation.errors import check_writable
-from infer.config import EvalEngine
 from infer.foundation.signals import raise_on_signals
 from train.config import FeatureMode, TrainConfig
 from train.data import load_source, pad_token_id, prepare_dataset

@@ -28,7 +28,8 @@ class TransformersSession:
         from infer.models.foreign import target_config
         from infer.target import TargetTokens
 
-        cfg, tokens = target_config(target), TargetTokens.load(target, max_model_len=max_model_len)
+        cfg = target_config(target)
+        tokens = TargetTokens.load(target, max_model_len=max_model_len, config=cfg)
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                                    else "cpu" if device == "auto" else device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32

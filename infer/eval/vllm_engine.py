@@ -229,4 +229,3 @@ def session_outputs(prompts: list[list[int]], done: dict, max_model_len: int) ->
             RequestOutput(i, None, p, [CompletionOutput(0, "", [], "error")], {},
                           f"prompt {i}: longer than max_model_len {max_model_len}")
             for i, p in enumerate(prompts)]
-

@@ -154,7 +154,7 @@ class _Request:
 
 class LLM:
     def __init__(self, target, **kw):
-        self.kw = kw
+        pass
 
     def generate(self, prompts, params, use_tqdm=False):  # each prompt's last id, repeated
         return [_Request(_Out([p["prompt_token_ids"][-1]] * sp.max_tokens, "length"))
