@@ -156,6 +156,10 @@ class RegenerateConfig:
     """engine=vllm: the Python of an environment with vLLM; None: vLLM importable here."""
     tensor_parallel_size: int = setting(1, _pos, resume=True)
     """engine=vllm: GPUs the target is split across."""
+    seed: Optional[int] = setting(None, partial(_seed, optional=True), resume=True)
+    """Seed of the sampled rewrite; None: the run's ``seed``. Set it to train several seeds on
+    one regenerated set (the answers are keyed by it, so a run with another ``seed`` and the
+    same ``regenerate.seed`` reuses them instead of regenerating)."""
 
 
 @dataclass

@@ -216,6 +216,11 @@ def load_examples(cfg: TrainConfig) -> datasets.Dataset:
     return ds.select(range(min(d.num_examples, len(ds))))
 
 
+def regenerate_seed(cfg: TrainConfig) -> int:
+    """The rewrite's seed: ``regenerate.seed``, else the run's."""
+    return cfg.seed if cfg.regenerate.seed is None else cfg.regenerate.seed
+
+
 def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: str
                 ) -> datasets.Dataset:
     """``raw`` with its answers rewritten by the target (resumable, under ``<run_dir>/name``)."""
@@ -225,7 +230,7 @@ def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: 
     if n is not None:
         raw = raw.select(range(min(n, len(raw))))
     return regenerate(raw, target_dir, cfg.regenerate, cfg.run_dir / name,
-                      format=cfg.data.format, seed=cfg.seed, device=cfg.trainer.device,
+                      format=cfg.data.format, seed=regenerate_seed(cfg), device=cfg.trainer.device,
                       template_kwargs=cfg.data.template_kwargs,
                       context=cfg.data.max_length + cfg.regenerate.max_tokens)
 

@@ -112,10 +112,13 @@ def _check_fingerprint(out_dir: Path, fp: dict[str, Any]) -> None:
     if not path.exists():
         write_text(path, json.dumps(fp, indent=2))
         return
-    fingerprint.check(json.loads(path.read_text()), fp, keys=list(fp),
-                      subject=f"{_WHERE}: {out_dir}", held="its answers have",
+    saved = json.loads(path.read_text())
+    reuse = (f" To train on them, set regenerate.seed={saved['seed']}."
+             if saved.get("seed") != fp["seed"] else "")
+    fingerprint.check(saved, fp, keys=list(fp), subject=f"{_WHERE}: {out_dir}",
+                      held="its answers have",
                       remedy=f"Delete {out_dir} (or use another directory) to regenerate from "
-                             "scratch.")
+                             f"scratch.{reuse}")
 
 
 # ----------------------------------------------------------------------------- rows <-> jobs

@@ -323,3 +323,33 @@ def test_unset_max_model_len_is_what_training_keeps(tmp_path, train_target):
     positions = Regenerator(train_target, CFG, 0, "cpu", context=10**6).llm.max_model_len
     assert positions == load_config(train_target).max_position_embeddings
     assert Regenerator(train_target, CFG, 0, "cpu", context=48).llm.max_model_len == 48
+
+
+def test_regenerate_seed_lets_other_training_seeds_share_the_answers(tmp_path, train_target,
+                                                                     calls):
+    """The answers are keyed by regenerate.seed (unset: the run's seed), so a seed sweep trains
+    every seed on one sampled set; a run whose seed keys other answers is told which to set."""
+    from omegaconf import OmegaConf
+
+    from train.pipeline import regenerated
+
+    from .test_config import compose_train
+
+    raw = datasets.Dataset.from_list(chat_rows(3, seed=4))
+
+    def answers(*overrides):
+        cfg = OmegaConf.to_object(compose_train([
+            f"output_dir={tmp_path}", f"target.path={train_target}", "trainer.device=cpu",
+            "regenerate.enabled=true", "regenerate.temperature=1.0", "regenerate.max_tokens=8",
+            *overrides]))
+        return regenerated(cfg, train_target, raw, "regenerated")["messages"]
+
+    first = answers("seed=0", "regenerate.seed=7")
+    rewrites = len(calls)
+    assert rewrites > 0 and answers("seed=3", "regenerate.seed=7") == first
+    assert len(calls) == rewrites  # reused, not rewritten
+    saved = json.loads((tmp_path / "tiny_eagle3" / "regenerated" / "fingerprint.json").read_text())
+    assert saved["seed"] == 7
+    with pytest.raises(ValueError, match=r"'seed': its answers have 7, this run has 3.*"
+                                         r"regenerate\.seed=7"):
+        answers("seed=3")
