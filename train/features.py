@@ -26,6 +26,7 @@ from typing import Callable
 import datasets
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -46,11 +47,42 @@ from train.hf_target import TransformersTarget
 from train.objectives.base import FeatureSpec
 
 
+GREEDY_CHUNK = 256  # positions per LM-head product in full_vocab_argmax
+
+
+@torch.no_grad()
+def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = GREEDY_CHUNK
+                      ) -> Tensor:
+    """The target's greedy token at every position: ``[..., H]`` -> ``[...]`` target ids.
+
+    Chunked over positions so that no ``[positions, vocab]`` tensor exists at once (8B targets:
+    a 128k vocabulary times 2k positions would be 1 GB in fp32; 256 at a time: 128 MB).
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)  # [P, H]
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)  # [P]
+    for start in range(0, flat.shape[0], chunk):
+        part = F.linear(flat[start:start + chunk], head.weight, head.bias)  # [c, V]
+        out[start:start + chunk] = part.argmax(-1)
+    return out.reshape(hidden.shape[:-1])
+
+
+def _own_head(target: Llama | TransformersTarget) -> torch.nn.Linear:
+    return (target.module.get_output_embeddings() if isinstance(target, TransformersTarget)
+            else target.lm_head)
+
+
 @torch.no_grad()
 def capture(target: Llama | TransformersTarget, batch: dict[str, Tensor],
-            spec: FeatureSpec) -> dict[str, Tensor]:
+            spec: FeatureSpec, lm_head: torch.nn.Linear | None = None) -> dict[str, Tensor]:
     """``batch`` plus ``aux [B, T, n * H]`` / ``hidden [B, T, H]`` from one target forward
-    (the engine's model, or transformers' for an architecture the engine lacks)."""
+    (the engine's model, or transformers' for an architecture the engine lacks).
+
+    With ``hidden`` comes ``greedy [B, T]``, the target's greedy next token at every position
+    (its full-vocabulary argmax, by ``lm_head``: the run's whole head, as a sharded target's
+    own is sharded; default the model's). Every objective that reads the target's final state
+    compares its drafts with that token, and the product over a 49k-128k vocabulary at every
+    position costs a third of an offline training step on a small target: the cache stores it
+    once (4 bytes a token)."""
     if not spec.needs_target:
         return batch
     if isinstance(target, TransformersTarget):
@@ -66,23 +98,28 @@ def capture(target: Llama | TransformersTarget, batch: dict[str, Tensor],
         batch["aux"] = torch.cat(out.aux, dim=-1)  # [B, T, n * H], sorted id order
     if spec.hidden:
         batch["hidden"] = out.hidden  # [B, T, H] after the final norm
+        batch["greedy"] = full_vocab_argmax(
+            out.hidden, _own_head(target) if lm_head is None else lm_head)  # [B, T]
     return batch
 
 
 class OnlineFeatures:
     """Callable the trainer applies to every batch on the device: adds the target features."""
 
-    def __init__(self, target: Llama | TransformersTarget, spec: FeatureSpec):
-        self.target, self.spec = target, spec
+    def __init__(self, target: Llama | TransformersTarget, spec: FeatureSpec,
+                 lm_head: torch.nn.Linear):
+        self.target, self.spec, self.lm_head = target, spec, lm_head
 
     def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        return capture(self.target, batch, self.spec)
+        return capture(self.target, batch, self.spec, self.lm_head)
 
 
 # ============================================================================= offline cache
 #
 # <cache_dir>/shard_00000.safetensors ...  features of rows [i * rows_per_shard, ...):
-#     "aux" [n, T, len(aux_layer_ids) * H], "hidden" [n, T, H] (storage dtype); __metadata__:
+#     "aux" [n, T, len(aux_layer_ids) * H], "hidden" [n, T, H] (storage dtype), with hidden
+#     "greedy" [n, T] (int32; shards written before it existed lack it, and the trainer then
+#     computes it from "hidden"); __metadata__:
 #     format, fingerprint (JSON), start, stop, rows_sha (digest of the rows' token/position/doc
 #     ids, what the features depend on)
 # <cache_dir>/index.json  written last (rank 0): format, fingerprint, dims, shards [{file, start,
@@ -91,8 +128,9 @@ class OnlineFeatures:
 FORMAT_VERSION = 1
 ROW_COLUMNS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
 FEATURE_KEYS = ("aux", "hidden")
-STORAGE_DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
-                  "float32": (torch.float32, "F32")}
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+            torch.int32: "I32"}
 
 
 def _seq_len(dataset: datasets.Dataset) -> int:
@@ -159,6 +197,14 @@ def _feature_dims(spec: FeatureSpec, hidden_size: int) -> dict[str, int]:
     return dims | ({"hidden": hidden_size} if spec.hidden else {})
 
 
+def _layout(dims: dict[str, int], rows: int, seq_len: int, dtype: str
+            ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each shard tensor's shape and dtype: the features ``[rows, T, D]`` in the storage dtype
+    and, beside ``hidden``, the target's greedy tokens ``greedy [rows, T]`` as int32."""
+    out = {k: ((rows, seq_len, d), STORAGE_DTYPES[dtype]) for k, d in dims.items()}
+    return out | ({"greedy": ((rows, seq_len), torch.int32)} if "hidden" in dims else {})
+
+
 def _shard_name(i: int) -> str:
     return f"shard_{i:05d}.safetensors"
 
@@ -171,17 +217,16 @@ class _ShardWriter:
     fit in memory (an 8B EAGLE-3 target produces ~32 KB per token, 17 GB per 256 x 2048 rows).
     """
 
-    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]], dtype: str,
+    def __init__(self, path: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  metadata: dict[str, str]):
-        torch_dtype, st_dtype = STORAGE_DTYPES[dtype]
-        item = torch_dtype.itemsize
         header: dict = {"__metadata__": metadata}
         self.base, self.row_bytes, offset = {}, {}, 0
-        for name, shape in sorted(shapes.items()):
-            nbytes = math.prod(shape) * item
-            header[name] = {"dtype": st_dtype, "shape": list(shape),
+        for name, (shape, dtype) in sorted(layout.items()):
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
-            self.base[name], self.row_bytes[name] = offset, math.prod(shape[1:]) * item
+            self.base[name] = offset
+            self.row_bytes[name] = math.prod(shape[1:]) * dtype.itemsize
             offset += nbytes
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as safetensors writes it
@@ -191,7 +236,7 @@ class _ShardWriter:
         self.file.truncate(self.start + offset)
 
     def write(self, name: str, row: int, t: Tensor) -> None:
-        """``t [b, T, D]`` (storage dtype, CPU) -> rows ``row .. row + b`` of tensor ``name``."""
+        """``t [b, T, ...]`` (its layout dtype, CPU) -> rows ``row .. row + b`` of ``name``."""
         self.file.seek(self.start + self.base[name] + row * self.row_bytes[name])
         self.file.write(t.contiguous().view(torch.uint8).numpy())  # little-endian raw bytes
 
@@ -217,7 +262,9 @@ def _shard_ok(path: Path, start: int, stop: int, fp: dict, shapes: dict, rows_sh
         return False
     _check_fingerprint(cached | {"shard_rows_sha": meta.get("rows_sha")},
                        fp | {"shard_rows_sha": rows_sha}, cache_dir, path.name)
-    return (found, meta.get("start"), meta.get("stop")) == (shapes, str(start), str(stop))
+    older = {k: v for k, v in shapes.items() if k != "greedy"}  # written before greedy existed
+    return found in (shapes, older) and (meta.get("start"), meta.get("stop")) == (str(start),
+                                                                                  str(stop))
 
 
 def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: FeatureSpec,
@@ -256,10 +303,10 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
         _check_fingerprint(index["fingerprint"], fp, cache, "index.json")
     shards = [(i, a, min(a + rows_per_shard, n)) for i, a in enumerate(range(0, n, rows_per_shard))]
     todo = [(i, a, b) for i, a, b in shards[rank::world_size] if not _shard_ok(
-        cache / _shard_name(i), a, b, fp, {k: (b - a, T, d) for k, d in dims.items()},
-        _rows_digest(dataset, range(a, b)), cache)]
+        cache / _shard_name(i), a, b, fp, {k: shape for k, (shape, _) in _layout(
+            dims, b - a, T, dtype).items()}, _rows_digest(dataset, range(a, b)), cache)]
     if rank == 0:
-        D, item = sum(dims.values()), STORAGE_DTYPES[dtype][0].itemsize
+        D, item = sum(dims.values()), STORAGE_DTYPES[dtype].itemsize
         print(f"feature cache {cache}: {n} rows x {T} tokens x {D} features x "
               f"{item} B = {n * T * D * item / 1e9:.3g} GB in "
               f"{len(shards)} shards of {rows_per_shard} rows; rank 0 computes {len(todo)}",
@@ -281,25 +328,25 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
 def _compute_shards(target: FrozenTarget, dataset, spec, cache: Path, todo, dims, fp, *, dtype,
                     batch_size, progress, desc) -> None:
     """Target forwards (``capture``) over the rows of ``todo`` shards, streamed to disk."""
-    rows, T, storage = PlainRows(dataset), fp["seq_len"], STORAGE_DTYPES[dtype][0]
+    rows, T = PlainRows(dataset), fp["seq_len"]
     bar = tqdm(total=sum(b - a for _, a, b in todo), unit="row", desc=desc, disable=not progress)
     try:
         for i, a, b in todo:
             meta = {"format": str(FORMAT_VERSION), "fingerprint": json.dumps(fp, sort_keys=True),
                     "start": str(a), "stop": str(b),
                     "rows_sha": _rows_digest(dataset, range(a, b))}
+            layout = _layout(dims, b - a, T, dtype)
             with atomic_file(cache / _shard_name(i)) as tmp:
-                writer = _ShardWriter(tmp, {k: (b - a, T, d) for k, d in dims.items()}, dtype,
-                                      meta)
+                writer = _ShardWriter(tmp, layout, meta)
                 try:
                     for s in range(a, b, batch_size):
                         GOVERNOR.tick()  # one torch thread per free core, re-checked
                         e = min(s + batch_size, b)
                         batch = collate([rows[j] for j in range(s, e)], pad_id=0)  # [B, T] each
                         batch = {k: v.to(target.device) for k, v in batch.items()}
-                        out = capture(target.model, batch, spec)
-                        for k in dims:
-                            writer.write(k, s - a, out[k].to(storage).cpu())  # [B, T, D]
+                        out = capture(target.model, batch, spec, target.heads.lm_head)
+                        for k, (_, dt) in layout.items():
+                            writer.write(k, s - a, out[k].to(dt).cpu())  # [B, T, ...]
                         bar.update(e - s)
                     writer.close()
                 finally:
@@ -316,7 +363,7 @@ def _idle_forwards(target: FrozenTarget, dataset, spec: FeatureSpec, n: int) -> 
     batch = collate([PlainRows(dataset)[0]], pad_id=0)  # [1, T] each
     batch = {k: v.to(target.device) for k, v in batch.items()}
     for _ in range(n):
-        capture(target.model, batch, spec)
+        capture(target.model, batch, spec, target.heads.lm_head)
 
 
 def _write_index(cache: Path, shards, fp: dict, dims: dict, world_size: int) -> None:
@@ -406,14 +453,19 @@ class CachedFeatureRows(torch.utils.data.Dataset):
 # ============================================================================= factory
 
 class CastFeatures:
-    """Offline ``add_features``: cached features -> the target dtype, on the device (so objectives
-    see exactly the dtypes of online capture)."""
+    """Offline ``add_features``: cached features -> the target dtype and the greedy tokens ->
+    int64, on the device (so objectives see exactly what online capture gives); a cache from
+    before ``greedy`` existed gets it here, from ``hidden`` and the target's LM head."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, lm_head: torch.nn.Linear):
+        self.lm_head, self.dtype = lm_head, lm_head.weight.dtype
 
     def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {k: v.to(self.dtype) if k in FEATURE_KEYS else v for k, v in batch.items()}
+        out = {k: v.to(self.dtype) if k in FEATURE_KEYS else v for k, v in batch.items()}
+        if "hidden" in out:
+            out["greedy"] = (out["greedy"].long() if "greedy" in out
+                             else full_vocab_argmax(out["hidden"], self.lm_head))  # [B, T]
+        return out
 
 
 def _identity(batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -440,10 +492,11 @@ def make_feature_source(features: FeaturesConfig, target: FrozenTarget,
     if not spec.needs_target:
         return FeatureSource(PlainRows(dataset), _identity)
     if mode == FeatureMode.online:
-        return FeatureSource(PlainRows(dataset), OnlineFeatures(target.model, spec))
+        return FeatureSource(PlainRows(dataset), OnlineFeatures(target.model, spec,
+                                                                target.heads.lm_head))
     cache = build_feature_cache(
         target, dataset, spec, cache_dir, dtype=features.dtype,
         rows_per_shard=features.rows_per_shard, batch_size=features.batch_size, rank=rank,
         world_size=world_size, barrier=barrier)
     return FeatureSource(CachedFeatureRows(cache, dataset, spec),
-                         CastFeatures(target.heads.lm_head.weight.dtype))
+                         CastFeatures(target.heads.lm_head))

@@ -57,7 +57,7 @@ def held_fraction(target: FrozenTarget) -> dict[str, float]:
 def max_diff(a: dict, b: dict, row: int | None = None) -> float:
     """Largest difference of the features of ``a`` and ``b`` (``b[k][row]`` when given)."""
     return max(float((a[k].float() - (b[k] if row is None else b[k][row]).float()).abs().max())
-               for k in ("aux", "hidden"))
+               for k in ("aux", "hidden", "greedy"))
 
 
 class Counting:
@@ -88,7 +88,8 @@ def main(target_dir: str, out: Path, sharding: str) -> None:
     target = FrozenTarget(target_dir, "float32", state.device, TargetSharding(sharding))
     replica = load_model(target_dir, dtype="float32", fuse=False)
     mine = collate([rows[i] for i in range(rank, 6, 2)], pad)  # this rank's own rows
-    online = max_diff(capture(target.model, mine, SPEC), capture(replica, mine, SPEC))
+    online = max_diff(capture(target.model, mine, SPEC, target.heads.lm_head),
+                      capture(replica, mine, SPEC))
 
     cache = out / f"{sharding}_cache"
     n = min(len(rows), 12)

@@ -53,8 +53,8 @@ def num_shards(train_data) -> int:
 
 def stack(rows: list[dict]) -> dict[str, torch.Tensor]:
     """What the trainer's collate does with cached rows: token fields + stacked features."""
-    return collate(rows, 0) | {k: torch.stack([r[k] for r in rows]) for k in ("aux", "hidden")
-                               if k in rows[0]}
+    return collate(rows, 0) | {k: torch.stack([r[k] for r in rows])
+                               for k in ("aux", "hidden", "greedy") if k in rows[0]}
 
 
 def online(target, train_data, spec=SPEC) -> dict[str, torch.Tensor]:
@@ -62,7 +62,7 @@ def online(target, train_data, spec=SPEC) -> dict[str, torch.Tensor]:
     rows = F.PlainRows(train_data.dataset)
     outs = [F.capture(target, collate([rows[j] for j in range(s, min(s + BS, len(rows)))], 0),
                       spec) for s in range(0, len(rows), BS)]
-    return {k: torch.cat([o[k] for o in outs]) for k in ("aux", "hidden")}  # [N, T, D]
+    return {k: torch.cat([o[k] for o in outs]) for k in ("aux", "hidden", "greedy")}  # [N, T, .]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -83,15 +83,20 @@ def test_cache_equals_online_capture(train_data, target, tmp_path, capsys, dtype
     rows = F.CachedFeatureRows(cache, ds, SPEC)
     assert len(rows) == n
     item = rows[n - 1]
-    assert set(item) == {"input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "hidden"}
+    assert set(item) == {"input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "hidden",
+                         "greedy"}
     assert item["aux"].shape == (T, 3 * H) and item["hidden"].shape == (T, H)
+    assert item["greedy"].shape == (T,) and item["greedy"].dtype == torch.int32
     assert item["aux"].dtype == getattr(torch, dtype)
     assert item["input_ids"].tolist() == ds[n - 1]["input_ids"]
     batch = stack([rows[i] for i in range(n)])
     assert batch["aux"].shape == (n, T, 3 * H) and batch["input_ids"].shape == (n, T)
     for k in ("aux", "hidden"):  # float32 exact; bf16 = the same values rounded once
         assert torch.equal(batch[k], ref[k].to(getattr(torch, dtype)))
-    assert F.CastFeatures(torch.float32)(batch)["aux"].dtype == torch.float32
+    # the target's greedy next token, over its whole vocabulary, at every position
+    assert torch.equal(ref["greedy"], target.lm_head(ref["hidden"]).argmax(-1))
+    cast = F.CastFeatures(target.lm_head)(batch)
+    assert cast["aux"].dtype == torch.float32 and torch.equal(cast["greedy"], ref["greedy"])
     worker_copy = pickle.loads(pickle.dumps(rows))  # DataLoader workers: handles reopened
     assert worker_copy._open == {} and torch.equal(worker_copy[n - 1]["aux"], item["aux"])
 
@@ -188,3 +193,28 @@ def test_make_feature_source_modes(train_data, target, tmp_path, count_forwards)
     cfg.features.mode = "both"
     with pytest.raises(ValueError, match="'features.mode': 'both'"):
         F.make_feature_source(cfg.features, frozen, train_data.dataset, SPEC, cache_dir)
+
+
+def test_cache_written_before_greedy_still_trains(train_data, target, tmp_path, count_forwards):
+    """Shards from before the greedy tokens were cached are complete: the build does not
+    recompute them, and the trainer's cast computes the tokens from the cached final states."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cache = build(train_data, tmp_path / "cache")
+    index = json.loads((cache / "index.json").read_text())
+    for entry in index["shards"]:
+        path = cache / entry["file"]
+        with safe_open(str(path), framework="pt") as f:
+            meta, kept = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k != "greedy"}
+        save_file(kept, str(path), metadata=meta)
+        entry["bytes"] = path.stat().st_size
+    (cache / "index.json").write_text(json.dumps(index))
+    count_forwards["n"] = 0
+    build(train_data, cache)
+    assert count_forwards["n"] == 0
+    rows = F.CachedFeatureRows(cache, train_data.dataset, SPEC)
+    batch = stack([rows[i] for i in range(BS)])
+    assert "greedy" not in batch
+    ref = online(target, train_data)
+    assert torch.equal(F.CastFeatures(target.lm_head)(batch)["greedy"], ref["greedy"][:BS])

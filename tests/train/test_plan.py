@@ -79,11 +79,16 @@ def test_offline_bytes_eagle3_bf16_by_hand():
     rows, T, H = 1000, 2048, 4096
     data = rows * T * (3 * H + H) * 2  # aux [n, T, 3H] + hidden [n, T, H], bfloat16
     assert data == 67_108_864_000
+    greedy = rows * T * 4  # the target's greedy tokens beside hidden [n, T], int32
     shards = 4  # ceil(1000 / 256)
-    assert P.cache_bytes(rows, T, spec, H, "bfloat16", 256) == data + shards * P.SHARD_HEADER_BYTES
-    assert P.cache_bytes(rows, T, spec, H, "float32", 256) == 2 * data + 4 * P.SHARD_HEADER_BYTES
+    assert P.cache_bytes(rows, T, spec, H, "bfloat16", 256) == \
+        data + greedy + shards * P.SHARD_HEADER_BYTES
+    assert P.cache_bytes(rows, T, spec, H, "float32", 256) == \
+        2 * data + greedy + 4 * P.SHARD_HEADER_BYTES
     assert P.cache_bytes(rows, T, FeatureSpec(hidden=True), H, "float16", 1000) == \
-        rows * T * H * 2 + P.SHARD_HEADER_BYTES
+        rows * T * H * 2 + greedy + P.SHARD_HEADER_BYTES
+    assert P.cache_bytes(rows, T, FeatureSpec(aux_layer_ids=(2,)), H, "float16", 1000) == \
+        rows * T * H * 2 + P.SHARD_HEADER_BYTES  # no hidden, no greedy tokens
     assert P.cache_bytes(rows, T, FeatureSpec(), H, "bfloat16", 256) == 0  # nothing captured
 
 
@@ -169,7 +174,7 @@ def test_plan_of_an_8b_config(llama8b, tmp_path, capsys):
     plan = P.make_plan(cfg, env={"WORLD_SIZE": "2"})
     assert plan.parameters == 8_030_261_248 and plan.spec.aux_layer_ids == (2, 16, 29)
     assert (plan.rows, plan.tokens, plan.streams) == (1000, 1000 * 2048, 4)
-    assert plan.cache_bytes == 1000 * 2048 * 4 * 4096 * 2 + 4 * P.SHARD_HEADER_BYTES
+    assert plan.cache_bytes == 1000 * 2048 * (4 * 4096 * 2 + 4) + 4 * P.SHARD_HEADER_BYTES
     assert plan.steps.total == 63 and plan.rows_per_step == 16  # ceil(ceil(500 / 2) / 4)
     assert plan.target_dtype == "bfloat16" and plan.memory.batch == 2
     text = P.format_plan(plan, cfg)

@@ -51,7 +51,6 @@ from infer.foundation.files import check_tensors, read_json
 from infer.models.loader import resolve_model_dir
 from infer.foundation.validation import config_error
 from train.objectives.base import OBJECTIVES, FeatureSpec, LossOutput, Objective, from_end
-from train.objectives.eagle3 import full_vocab_argmax
 from train.objectives.pard import choose_mask_token
 from train.real.targets import verifier_name
 
@@ -215,16 +214,15 @@ class DFlashObjective(Objective):
         none here. ``target``: the target's log-probabilities per slot ``[B, A, Bk-1, Vd]``."""
         return logits.new_zeros(()), {}
 
-    def targets(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """The target at every index: log-probabilities over the draft vocabulary
-        ``[B, T, Vd]`` (fp32) and the full-vocabulary argmax ``[B, T]``."""
+    def targets(self, hidden: Tensor) -> Tensor:
+        """The target's log-probabilities over the draft vocabulary at every index,
+        ``[B, T, Vd]`` (fp32); its full-vocabulary argmax comes with the features (greedy)."""
         head = self.heads.lm_head
         rows = self.drafter.to_target_ids(torch.arange(self.drafter.config.draft_vocab_size,
                                                        device=head.weight.device))
-        hidden = hidden.to(head.weight.dtype)
         bias = head.bias[rows] if head.bias is not None else None
-        logits = F.linear(hidden, head.weight[rows], bias).float()  # [B, T, Vd]
-        return F.log_softmax(logits, dim=-1), full_vocab_argmax(hidden, head)
+        logits = F.linear(hidden.to(head.weight.dtype), head.weight[rows], bias).float()
+        return F.log_softmax(logits, dim=-1)  # [B, T, Vd]
 
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:
         loss_mask, doc = batch["loss_mask"].bool(), batch["doc_ids"]
@@ -233,7 +231,7 @@ class DFlashObjective(Objective):
         at, trains = slot_targets(anchors, valid, loss_mask, doc, self.block)  # [B, A, Bk-1]
         h = self.block_hidden(batch, anchors)  # [B, A, Bk-1, H]
         logits = self.slot_logits(h, batch["input_ids"], at)  # [B, A, Bk-1, Vd]
-        logp, argmax = self.targets(batch["hidden"])  # [B, T, Vd], [B, T]
+        logp, argmax = self.targets(batch["hidden"]), batch["greedy"]  # [B, T, Vd], [B, T]
         b, a, s = at.shape
         flat = at.view(b, a * s)
         target = logp.gather(1, flat[..., None].expand(-1, -1, logp.shape[-1])).view(b, a, s, -1)

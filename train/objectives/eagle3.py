@@ -158,27 +158,23 @@ class Eagle3Objective(TTTObjective):
         return self.drafter.prepare(self.noisy(aux.to(self.drafter.fc.weight.dtype)))  # [B, T, H]
 
     def targets(self, batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
-        return self.distributions(batch["hidden"][rows])  # [M, ...]
+        return self.distributions(batch["hidden"][rows], batch["greedy"][rows])  # [M, ...]
 
-    def distributions(self, hidden: Tensor) -> dict[str, Tensor]:
-        """At the target's final states ``hidden [..., H]``: its log-distribution over the
-        draft vocabulary (``logp [..., Vd]``), its greedy token over the whole vocabulary
-        (``argmax [...]``, target ids), whether that lies outside the draft vocabulary
-        (``oov [...]`` bool) and its draft id (``argmax_draft [...]``, -1 where outside)."""
+    def distributions(self, hidden: Tensor, greedy: Tensor) -> dict[str, Tensor]:
+        """At the target's final states ``hidden [..., H]`` with its greedy tokens ``greedy
+        [...]`` (the features' full-vocabulary argmax): its log-distribution over the draft
+        vocabulary (``logp [..., Vd]``), that greedy token (``argmax [...]``, target ids), whether
+        it lies outside the draft vocabulary (``oov [...]`` bool) and its draft id
+        (``argmax_draft [...]``, -1 where outside)."""
         head = self.heads.lm_head
         ids = self.drafter.to_target_ids(
             torch.arange(self.drafter.config.draft_vocab_size, device=self.drafter.d2t.device))
         ids = ids.to(head.weight.device)
         weight = head.weight[ids]  # [Vd, H]: only the draft vocabulary's rows
         bias = head.bias[ids] if head.bias is not None else None
-        hidden = hidden.to(weight.dtype)
-        logits = F.linear(hidden, weight, bias).float()  # [..., Vd]
-        if ids.numel() == head.weight.shape[0]:  # the whole vocabulary, reordered
-            argmax = ids[logits.argmax(-1)]  # [...] target ids
-        else:
-            argmax = full_vocab_argmax(hidden, head)  # [...] target ids
-        argmax_draft = self.vocab.target_to_draft(argmax)  # [...] -1 outside the draft vocab
-        return {"logp": F.log_softmax(logits, dim=-1), "argmax": argmax,
+        logits = F.linear(hidden.to(weight.dtype), weight, bias).float()  # [..., Vd]
+        argmax_draft = self.vocab.target_to_draft(greedy)  # [...] -1 outside the draft vocab
+        return {"logp": F.log_softmax(logits, dim=-1), "argmax": greedy,
                 "oov": argmax_draft < 0, "argmax_draft": argmax_draft}
 
     def step_loss(self, step, logits, hidden, targets):
@@ -214,20 +210,6 @@ def frequent_draft_tokens(vocab: DraftVocab, size: int) -> list[int]:
     ids = vocab.target_ids()  # [Vd]
     order = torch.argsort(-vocab.counts[ids], stable=True)[:size]  # [N] most frequent first
     return sorted(ids[order].tolist())
-
-
-def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = 256) -> Tensor:
-    """The target's greedy token at every position: ``[..., H]`` -> ``[...]`` target ids.
-
-    Chunked over positions so that no ``[positions, vocab]`` tensor exists at once (8B targets:
-    a 128k vocabulary times 2k positions would be 1 GB in fp32; 256 at a time: 128 MB).
-    """
-    flat = hidden.reshape(-1, hidden.shape[-1])  # [P, H]
-    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)  # [P]
-    for start in range(0, flat.shape[0], chunk):
-        part = F.linear(flat[start:start + chunk], head.weight, head.bias)  # [c, V]
-        out[start:start + chunk] = part.argmax(-1)
-    return out.reshape(hidden.shape[:-1])
 
 
 def init_lm_head(drafter: Eagle3Drafter, head: torch.nn.Linear, target_ids: Tensor) -> None:

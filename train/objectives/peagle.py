@@ -169,7 +169,7 @@ class PEagleObjective(Eagle3Objective):
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:
         t = batch["input_ids"].shape[1]
         with torch.no_grad():
-            targets = self.distributions(batch["hidden"])  # [B, T, ...]
+            targets = self.distributions(batch["hidden"], batch["greedy"])  # [B, T, ...]
         r, logits = self.rows(batch, self.selection(batch))  # [B, N, Vd]
         kl = self.distill(logits, targets["logp"][:, r.target_index])  # [B, N]
         loss = masked_mean(kl, r.valid)  # every trained row once (module doc)
