@@ -47,12 +47,8 @@ from train.hf_target import TransformersTarget
 from train.objectives.base import FeatureSpec
 
 
-GREEDY_CHUNK = 256  # positions per LM-head product in full_vocab_argmax
-
-
 @torch.no_grad()
-def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = GREEDY_CHUNK
-                      ) -> Tensor:
+def full_vocab_argmax(hidden: Tensor, head: torch.nn.Linear, chunk: int = 256) -> Tensor:
     """The target's greedy token at every position: ``[..., H]`` -> ``[...]`` target ids.
 
     Chunked over positions so that no ``[positions, vocab]`` tensor exists at once (8B targets:
@@ -129,8 +125,7 @@ FORMAT_VERSION = 1
 ROW_COLUMNS = ("input_ids", "loss_mask", "position_ids", "doc_ids")
 FEATURE_KEYS = ("aux", "hidden")
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-            torch.int32: "I32"}
+ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32"}
 
 
 def _seq_len(dataset: datasets.Dataset) -> int:
