@@ -73,12 +73,11 @@ def capture(target: Llama | TransformersTarget, batch: dict[str, Tensor],
     """``batch`` plus ``aux [B, T, n * H]`` / ``hidden [B, T, H]`` from one target forward
     (the engine's model, or transformers' for an architecture the engine lacks).
 
-    With ``hidden`` comes ``greedy [B, T]``, the target's greedy next token at every position
+    ``spec.greedy`` adds ``greedy [B, T]``, the target's greedy next token at every position
     (its full-vocabulary argmax, by ``lm_head``: the run's whole head, as a sharded target's
-    own is sharded; default the model's). Every objective that reads the target's final state
-    compares its drafts with that token, and the product over a 49k-128k vocabulary at every
-    position costs a third of an offline training step on a small target: the cache stores it
-    once (4 bytes a token)."""
+    own is sharded; default the model's). The drafters scored against that token would
+    otherwise recompute the product over a 49k-128k vocabulary at every position in every step
+    (a third of an offline step on a small target); the cache stores it once (4 bytes a token)."""
     if not spec.needs_target:
         return batch
     if isinstance(target, TransformersTarget):
@@ -94,6 +93,7 @@ def capture(target: Llama | TransformersTarget, batch: dict[str, Tensor],
         batch["aux"] = torch.cat(out.aux, dim=-1)  # [B, T, n * H], sorted id order
     if spec.hidden:
         batch["hidden"] = out.hidden  # [B, T, H] after the final norm
+    if spec.greedy:
         batch["greedy"] = full_vocab_argmax(
             out.hidden, _own_head(target) if lm_head is None else lm_head)  # [B, T]
     return batch
@@ -113,9 +113,9 @@ class OnlineFeatures:
 # ============================================================================= offline cache
 #
 # <cache_dir>/shard_00000.safetensors ...  features of rows [i * rows_per_shard, ...):
-#     "aux" [n, T, len(aux_layer_ids) * H], "hidden" [n, T, H] (storage dtype), with hidden
-#     "greedy" [n, T] (int32; shards written before it existed lack it, and the trainer then
-#     computes it from "hidden"); __metadata__:
+#     "aux" [n, T, len(aux_layer_ids) * H], "hidden" [n, T, H] (storage dtype), "greedy"
+#     [n, T] (int32; shards written before it existed lack it, and the trainer then computes it
+#     from "hidden"); __metadata__:
 #     format, fingerprint (JSON), start, stop, rows_sha (digest of the rows' token/position/doc
 #     ids, what the features depend on)
 # <cache_dir>/index.json  written last (rank 0): format, fingerprint, dims, shards [{file, start,
@@ -192,12 +192,12 @@ def _feature_dims(spec: FeatureSpec, hidden_size: int) -> dict[str, int]:
     return dims | ({"hidden": hidden_size} if spec.hidden else {})
 
 
-def _layout(dims: dict[str, int], rows: int, seq_len: int, dtype: str
+def _layout(spec: FeatureSpec, dims: dict[str, int], rows: int, seq_len: int, dtype: str
             ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Each shard tensor's shape and dtype: the features ``[rows, T, D]`` in the storage dtype
-    and, beside ``hidden``, the target's greedy tokens ``greedy [rows, T]`` as int32."""
+    and, when the spec asks, the target's greedy tokens ``greedy [rows, T]`` as int32."""
     out = {k: ((rows, seq_len, d), STORAGE_DTYPES[dtype]) for k, d in dims.items()}
-    return out | ({"greedy": ((rows, seq_len), torch.int32)} if "hidden" in dims else {})
+    return out | ({"greedy": ((rows, seq_len), torch.int32)} if spec.greedy else {})
 
 
 def _shard_name(i: int) -> str:
@@ -299,7 +299,7 @@ def build_feature_cache(target: FrozenTarget, dataset: datasets.Dataset, spec: F
     shards = [(i, a, min(a + rows_per_shard, n)) for i, a in enumerate(range(0, n, rows_per_shard))]
     todo = [(i, a, b) for i, a, b in shards[rank::world_size] if not _shard_ok(
         cache / _shard_name(i), a, b, fp, {k: shape for k, (shape, _) in _layout(
-            dims, b - a, T, dtype).items()}, _rows_digest(dataset, range(a, b)), cache)]
+            spec, dims, b - a, T, dtype).items()}, _rows_digest(dataset, range(a, b)), cache)]
     if rank == 0:
         D, item = sum(dims.values()), STORAGE_DTYPES[dtype].itemsize
         print(f"feature cache {cache}: {n} rows x {T} tokens x {D} features x "
@@ -330,7 +330,7 @@ def _compute_shards(target: FrozenTarget, dataset, spec, cache: Path, todo, dims
             meta = {"format": str(FORMAT_VERSION), "fingerprint": json.dumps(fp, sort_keys=True),
                     "start": str(a), "stop": str(b),
                     "rows_sha": _rows_digest(dataset, range(a, b))}
-            layout = _layout(dims, b - a, T, dtype)
+            layout = _layout(spec, dims, b - a, T, dtype)
             with atomic_file(cache / _shard_name(i)) as tmp:
                 writer = _ShardWriter(tmp, layout, meta)
                 try:
@@ -452,12 +452,12 @@ class CastFeatures:
     int64, on the device (so objectives see exactly what online capture gives); a cache from
     before ``greedy`` existed gets it here, from ``hidden`` and the target's LM head."""
 
-    def __init__(self, lm_head: torch.nn.Linear):
-        self.lm_head, self.dtype = lm_head, lm_head.weight.dtype
+    def __init__(self, lm_head: torch.nn.Linear, spec: FeatureSpec):
+        self.lm_head, self.dtype, self.greedy = lm_head, lm_head.weight.dtype, spec.greedy
 
     def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         out = {k: v.to(self.dtype) if k in FEATURE_KEYS else v for k, v in batch.items()}
-        if "hidden" in out:
+        if self.greedy:
             out["greedy"] = (out["greedy"].long() if "greedy" in out
                              else full_vocab_argmax(out["hidden"], self.lm_head))  # [B, T]
         return out
@@ -494,4 +494,4 @@ def make_feature_source(features: FeaturesConfig, target: FrozenTarget,
         rows_per_shard=features.rows_per_shard, batch_size=features.batch_size, rank=rank,
         world_size=world_size, barrier=barrier)
     return FeatureSource(CachedFeatureRows(cache, dataset, spec),
-                         CastFeatures(target.heads.lm_head))
+                         CastFeatures(target.heads.lm_head, spec))

@@ -216,11 +216,6 @@ def load_examples(cfg: TrainConfig) -> datasets.Dataset:
     return ds.select(range(min(d.num_examples, len(ds))))
 
 
-def regenerate_seed(cfg: TrainConfig) -> int:
-    """The rewrite's seed: ``regenerate.seed``, else the run's."""
-    return cfg.seed if cfg.regenerate.seed is None else cfg.regenerate.seed
-
-
 def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: str
                 ) -> datasets.Dataset:
     """``raw`` with its answers rewritten by the target (resumable, under ``<run_dir>/name``)."""
@@ -229,8 +224,9 @@ def regenerated(cfg: TrainConfig, target_dir: str, raw: datasets.Dataset, name: 
     n = cfg.regenerate.num_examples
     if n is not None:
         raw = raw.select(range(min(n, len(raw))))
+    seed = cfg.seed if cfg.regenerate.seed is None else cfg.regenerate.seed
     return regenerate(raw, target_dir, cfg.regenerate, cfg.run_dir / name,
-                      format=cfg.data.format, seed=regenerate_seed(cfg), device=cfg.trainer.device,
+                      format=cfg.data.format, seed=seed, device=cfg.trainer.device,
                       template_kwargs=cfg.data.template_kwargs,
                       context=cfg.data.max_length + cfg.regenerate.max_tokens)
 

@@ -123,13 +123,13 @@ def feature_streams(spec: FeatureSpec | None) -> int:
 def cache_bytes(rows: int, seq_len: int, spec: FeatureSpec | None, hidden_size: int,
                 dtype: str, rows_per_shard: int) -> int:
     """Bytes of the offline cache (train/features.py): ``aux [n, T, len(ids) * H]`` and ``hidden
-    [n, T, H]`` in ``dtype`` per shard, with ``hidden`` the greedy tokens ``[n, T]`` (int32), plus
-    each shard's header; 0 when nothing is captured."""
+    [n, T, H]`` in ``dtype`` per shard, the greedy tokens ``[n, T]`` (int32) when the spec asks,
+    plus each shard's header; 0 when nothing is captured."""
     streams = feature_streams(spec)
     if not streams or not rows:
         return 0
     shards = math.ceil(rows / rows_per_shard)
-    greedy = rows * seq_len * 4 * int(bool(spec and spec.hidden))
+    greedy = rows * seq_len * 4 * int(bool(spec and spec.greedy))
     return (rows * seq_len * streams * hidden_size * BYTES[dtype] + greedy
             + shards * SHARD_HEADER_BYTES)
 

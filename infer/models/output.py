@@ -50,7 +50,9 @@ class FeatureSpec:
     aux_layer_ids: tuple[int, ...] = ()  # residual streams, sorted id order (-> ModelOutput.aux)
     hidden: bool = False  # the last hidden state after the final norm (-> ModelOutput.hidden;
     # the engine's outputs always carry it, training computes it only when asked)
+    greedy: bool = False  # training: the target's greedy next token at every position (the
+    # argmax of its logits, which the engine has anyway), for drafters scored against it
 
     @property
     def needs_target(self) -> bool:
-        return bool(self.aux_layer_ids) or self.hidden
+        return bool(self.aux_layer_ids) or self.hidden or self.greedy

@@ -36,7 +36,7 @@ _spec = importlib.util.spec_from_file_location("train_conftest",
 conftest = sys.modules["train_conftest"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(conftest)  # (registered first: its dataclasses look their module up)
 
-SPEC = FeatureSpec(aux_layer_ids=(1, 2, 4), hidden=True)
+SPEC = FeatureSpec(aux_layer_ids=(1, 2, 4), hidden=True, greedy=True)
 
 
 def held_fraction(target: FrozenTarget) -> dict[str, float]:

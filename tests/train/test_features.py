@@ -16,7 +16,7 @@ from train.data import collate
 from train.frozen_target import FrozenTarget
 from train.objectives.base import FeatureSpec
 
-SPEC = FeatureSpec(aux_layer_ids=(1, 2, 4), hidden=True)
+SPEC = FeatureSpec(aux_layer_ids=(1, 2, 4), hidden=True, greedy=True)
 RPS, BS = 8, 4  # rows per shard, target batch: 2 forwards per full shard
 
 
@@ -95,7 +95,7 @@ def test_cache_equals_online_capture(train_data, target, tmp_path, capsys, dtype
         assert torch.equal(batch[k], ref[k].to(getattr(torch, dtype)))
     # the target's greedy next token, over its whole vocabulary, at every position
     assert torch.equal(ref["greedy"], target.lm_head(ref["hidden"]).argmax(-1))
-    cast = F.CastFeatures(target.lm_head)(batch)
+    cast = F.CastFeatures(target.lm_head, SPEC)(batch)
     assert cast["aux"].dtype == torch.float32 and torch.equal(cast["greedy"], ref["greedy"])
     worker_copy = pickle.loads(pickle.dumps(rows))  # DataLoader workers: handles reopened
     assert worker_copy._open == {} and torch.equal(worker_copy[n - 1]["aux"], item["aux"])
@@ -217,4 +217,8 @@ def test_cache_written_before_greedy_still_trains(train_data, target, tmp_path, 
     batch = stack([rows[i] for i in range(BS)])
     assert "greedy" not in batch
     ref = online(target, train_data)
-    assert torch.equal(F.CastFeatures(target.lm_head)(batch)["greedy"], ref["greedy"][:BS])
+    assert torch.equal(F.CastFeatures(target.lm_head, SPEC)(batch)["greedy"], ref["greedy"][:BS])
+    # a drafter that does not read the tokens (MLP speculator, EAGLE-1) never pays for them
+    hidden_only = FeatureSpec(hidden=True)
+    assert "greedy" not in F.capture(target, stack([rows[0]]), hidden_only)
+    assert "greedy" not in F.CastFeatures(target.lm_head, hidden_only)(batch)

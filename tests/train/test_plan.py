@@ -2,6 +2,7 @@
 naming ``features.cache_dir``, the planned feature spec against the built objective's, and
 ``python train.py plan=true`` end to end (exit 0, nothing trained, no weights read)."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -75,20 +76,20 @@ def test_parameter_count_matches_the_model(tmp_path, extra):
 
 
 def test_offline_bytes_eagle3_bf16_by_hand():
-    spec = FeatureSpec(aux_layer_ids=(2, 16, 29), hidden=True)  # what eagle3 caches
+    spec = FeatureSpec(aux_layer_ids=(2, 16, 29), hidden=True, greedy=True)  # what eagle3 caches
     rows, T, H = 1000, 2048, 4096
     data = rows * T * (3 * H + H) * 2  # aux [n, T, 3H] + hidden [n, T, H], bfloat16
     assert data == 67_108_864_000
-    greedy = rows * T * 4  # the target's greedy tokens beside hidden [n, T], int32
+    greedy = rows * T * 4  # the target's greedy tokens [n, T], int32
     shards = 4  # ceil(1000 / 256)
     assert P.cache_bytes(rows, T, spec, H, "bfloat16", 256) == \
         data + greedy + shards * P.SHARD_HEADER_BYTES
     assert P.cache_bytes(rows, T, spec, H, "float32", 256) == \
         2 * data + greedy + 4 * P.SHARD_HEADER_BYTES
-    assert P.cache_bytes(rows, T, FeatureSpec(hidden=True), H, "float16", 1000) == \
+    assert P.cache_bytes(rows, T, FeatureSpec(hidden=True, greedy=True), H, "float16", 1000) == \
         rows * T * H * 2 + greedy + P.SHARD_HEADER_BYTES
-    assert P.cache_bytes(rows, T, FeatureSpec(aux_layer_ids=(2,)), H, "float16", 1000) == \
-        rows * T * H * 2 + P.SHARD_HEADER_BYTES  # no hidden, no greedy tokens
+    assert P.cache_bytes(rows, T, FeatureSpec(hidden=True), H, "float16", 1000) == \
+        rows * T * H * 2 + P.SHARD_HEADER_BYTES  # what the MLP speculator caches: no tokens
     assert P.cache_bytes(rows, T, FeatureSpec(), H, "bfloat16", 256) == 0  # nothing captured
 
 
@@ -230,8 +231,8 @@ def test_planned_spec_is_the_objectives(train_data, method, extra):
     heads = FrozenTarget(target, "float32", "cpu").heads
     obj = OBJECTIVES.get(method)(cfg, heads, train_data.vocab, target)
     planned = OBJECTIVES.get(method).planned_feature_spec(cfg, heads.config)
-    assert planned == FeatureSpec(tuple(obj.feature_spec().aux_layer_ids),
-                                  obj.feature_spec().hidden)
+    spec = obj.feature_spec()
+    assert planned == dataclasses.replace(spec, aux_layer_ids=tuple(spec.aux_layer_ids))
 
 
 # ---- the entry point ---------------------------------------------------------------------------

@@ -18,8 +18,8 @@ Batch layout (``train.data.collate`` + ``train.features``), all on the training 
                                  id order, concatenated (only when the spec asks for them)
     hidden        [B, T, H]      target last hidden state after the final norm (when asked);
                                  target logits are ``heads.lm_head(hidden)`` (never stored)
-    greedy  int64 [B, T]         with ``hidden``: the target's greedy next token at t (argmax
-                                 over its whole vocabulary; computed once, cached offline)
+    greedy  int64 [B, T]         the target's greedy next token at t (argmax over its whole
+                                 vocabulary; when asked; computed once, cached offline)
 
 Multi-stage training is data too: ``Objective.stages()`` lists the stages (``Stage``) and the
 pipeline loops over them on one loaded target. Nothing branches on a method name: the pipeline

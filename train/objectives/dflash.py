@@ -170,7 +170,8 @@ class DFlashObjective(Objective):
             load_init(self.drafter, init, d.init_from)
 
     def feature_spec(self) -> FeatureSpec:
-        return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True)
+        return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True,
+                           greedy=True)
 
     @classmethod
     def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
@@ -178,7 +179,8 @@ class DFlashObjective(Objective):
         if d.init_from and not d.aux_layer_ids:  # its config.json only, no weights
             path = resolve_model_dir(d.init_from, "drafter.init_from") / "config.json"
             init = cls.DRAFTER.CONFIG.from_dict(read_json(path)).aux_layer_ids
-        return FeatureSpec(aux_layer_ids=tuple(sorted(_aux_ids(d, target, init))), hidden=True)
+        return FeatureSpec(aux_layer_ids=tuple(sorted(_aux_ids(d, target, init))), hidden=True,
+                           greedy=True)
 
     # ---- forward -----------------------------------------------------------------------------
 

@@ -133,13 +133,14 @@ class Eagle3Objective(TTTObjective):
             load_init(self.drafter, init, d.init_from)
 
     def feature_spec(self) -> FeatureSpec:
-        return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True)
+        return FeatureSpec(aux_layer_ids=self.drafter.aux_layer_ids, hidden=True,
+                           greedy=True)
 
     @classmethod
     def planned_feature_spec(cls, cfg, target) -> FeatureSpec:
         ids = resolve_aux_layer_ids(cfg.drafter.aux_layer_ids, target.num_layers,
                                     init_aux_layer_ids(cfg.drafter.init_from))
-        return FeatureSpec(aux_layer_ids=tuple(ids), hidden=True)
+        return FeatureSpec(aux_layer_ids=tuple(ids), hidden=True, greedy=True)
 
     def serving_notes(self) -> str:
         from train.export import vllm_report

@@ -136,7 +136,8 @@ class PEagleObjective(Eagle3Objective):
         ids = cfg.drafter.aux_layer_ids  # as __init__: the configured ids win over init_from's
         if ids is None:
             ids = init_aux_layer_ids(cfg.drafter.init_from)
-        return FeatureSpec(tuple(resolve_aux_layer_ids(ids, target.num_layers)), hidden=True)
+        return FeatureSpec(tuple(resolve_aux_layer_ids(ids, target.num_layers)),
+                           hidden=True, greedy=True)
 
     @classmethod
     def served_config(cls, path: str | Path) -> dict:

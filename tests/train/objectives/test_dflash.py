@@ -32,7 +32,7 @@ def make_cfg(**overrides) -> TrainConfig:
 @pytest.fixture(scope="module")
 def env(train_data):
     target = load_model(train_data.target_dir)
-    spec = FeatureSpec(aux_layer_ids=(1, 3), hidden=True)  # what build() asks for
+    spec = FeatureSpec(aux_layer_ids=(1, 3), hidden=True, greedy=True)  # what build() asks for
     return target, target_heads(target), feature_batches(train_data, target, spec, rows=8, size=4)
 
 

@@ -38,7 +38,7 @@ def make_cfg(method: str, **overrides) -> TrainConfig:
 def make_env(train_data):
     """Native target, its heads and every packed row as a captured batch of 4 rows."""
     target = load_model(train_data.target_dir)
-    spec = FeatureSpec(aux_layer_ids=(1, 2, 3), hidden=True)  # serves both EAGLE heads
+    spec = FeatureSpec(aux_layer_ids=(1, 2, 3), hidden=True, greedy=True)  # both EAGLE heads
     batches = feature_batches(train_data, target, spec, rows=len(train_data.dataset), size=4)
     return target, target_heads(target), batches
 
