@@ -147,7 +147,7 @@ class MLPSpeculatorObjective(Objective):
     def forward(self, batch: dict[str, Tensor]) -> LossOutput:
         """The loss over the positions where some head has a label: a stage mixes nothing
         across positions, so the rest (prompts, padding, row ends; ~30 % of a chat row) is
-        dropped before the stages, whose 49k-row heads are nearly all of a step's work."""
+        dropped before the stages, whose vocabulary-wide heads are nearly all of a step's work."""
         ids = batch["input_ids"]  # [B, T]
         t = ids.shape[1]
         n = self.drafter.n_predict
