@@ -187,3 +187,14 @@ def test_stages_are_data(train_target, target, train_data):
     obj.cfg.objective.stage2_lr_factor = 0.0
     with pytest.raises(ValueError, match="stage2_lr_factor"):
         obj.stages()
+
+
+def test_batch_without_labels_is_a_zero_loss(train_target, target, train_data, batches):
+    """The stages run only where a head has a label; a micro-batch with none (all prompt) still
+    gives a zero loss that backpropagates, as a masked mean over nothing does."""
+    obj = make(train_target, target, train_data.vocab, n_predict=2, kd_weight=0.5)
+    batch = {**batches[0], "loss_mask": torch.zeros_like(batches[0]["loss_mask"])}
+    out = obj(batch)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and int(out.num_tokens) == 0
+    assert out.metrics["acceptance_length_est"].item() == 1.0
